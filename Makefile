@@ -1,0 +1,32 @@
+# make run   - set everything up, serve the default model pair and answer a sample request
+# make test  - the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# MKL preload for MLX's CPU backend (runner/cpu_blas.py); empty where MKL is absent.
+WITH_BLAS = env $$($(BIN)/python -m runner.cpu_blas)
+
+.PHONY: install test bench models run clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,dev]'
+	touch $@
+
+test: install
+	$(WITH_BLAS) $(BIN)/python -m pytest -q
+
+bench: install
+	$(WITH_BLAS) $(BIN)/python -m bench
+
+models: install
+	$(WITH_BLAS) MKL_THREADING_LAYER=GNU $(BIN)/python models/train.py
+
+run: install
+	$(WITH_BLAS) $(BIN)/python -m runner.sample
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,27 @@
+"""Exceptions the engine raises; the gRPC layer maps each to a status code."""
+
+
+class EngineError(Exception):
+    """Base class for every error the decode engine reports."""
+
+
+class InvalidRequest(EngineError):
+    """A request field is out of range. Maps to INVALID_ARGUMENT."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ModelLoadError(EngineError):
+    """A model folder is missing, unreadable or inconsistent."""
+
+    def __init__(self, folder, cause: str):
+        super().__init__(f"cannot load model from {folder}: {cause}")
+        self.folder = str(folder)
+        self.cause = cause
+
+
+class TokenizerMismatch(ModelLoadError):
+    """The draft model does not share the target's vocabulary."""

@@ -1,0 +1,33 @@
+"""Shared fixtures: the embedded default model pair, loaded once per session."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from runner.engine import Engine, EngineSettings
+
+
+@pytest.fixture(scope="session")
+def engine() -> Engine:
+    return Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings())
+
+
+@pytest.fixture
+def restore_cache_limit():
+    """Engines set MLX's process-wide pool cap; put it back after the test."""
+    previous = mx.set_cache_limit(0)
+    mx.set_cache_limit(previous)
+    yield
+    mx.set_cache_limit(previous)
+    mx.clear_cache()
+
+
+def collect(rounds):
+    """All token ids, the whole text and the final round of a generation."""
+    tokens, text, last = [], "", None
+    for last in rounds:
+        tokens += last.token_ids
+        text += last.text
+    return tokens, text, last
