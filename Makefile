@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # MKL preload for MLX's CPU backend (runner/cpu_blas.py); empty where MKL is absent.
 WITH_BLAS = env $$($(BIN)/python -m runner.cpu_blas)
 
-.PHONY: install test bench models run clean
+.PHONY: install proto test bench models run clean
 
 install: $(VENV)/.installed
 
@@ -15,6 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test,dev]'
 	touch $@
+
+# Regenerate the gRPC stubs from proto/*.proto (committed; a test checks they match).
+proto: install
+	$(BIN)/python proto/generate.py
 
 test: install
 	$(WITH_BLAS) $(BIN)/python -m pytest -q

@@ -198,6 +198,11 @@ class Engine:
     def context_length(self) -> int:
         return self.target.context_length
 
+    def warm_up(self) -> None:
+        """One short generation, so the first real request does not pay for first-use setup."""
+        for _ in self.generate(GenerationRequest(prompt_ids=(0, 5, 6, 7), max_tokens=8, ignore_eos=True)):
+            pass
+
     def release_memory(self) -> tuple[int, int]:
         """Empty the pool now; returns cache bytes before and after."""
         before = mx.get_cache_memory()

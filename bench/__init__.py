@@ -1,0 +1,1 @@
+"""Benchmarks, printed as ratios measured in one run: python -m bench [section ...]."""

@@ -1,0 +1,163 @@
+"""python -m runner --target DIR [--draft DIR] --listen ADDRESS [...]
+
+One runner process: loads a model pair and serves it over gRPC (proto/runner.proto).
+ADDRESS is ``unix:///path/to/socket`` (what the supervisor uses) or ``HOST:PORT``.
+Exits 0 after SIGTERM, 2 when the models cannot be loaded or the address cannot
+be used, 70 after an engine failure that leaves its state untrusted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .cpu_blas import reexec_with_fast_blas
+
+EXIT_BAD_START = 2
+EXIT_ENGINE_FAILURE = 70
+PR_SET_PDEATHSIG = 1
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from .engine import DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK
+    from .release import DEFAULT_RELEASE_INTERVAL
+
+    p = argparse.ArgumentParser(prog="python -m runner", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, type=Path, help="target model folder (mlx-lm layout)")
+    p.add_argument("--draft", type=Path, help="draft model folder; omit for plain decoding")
+    p.add_argument("--listen", required=True, help="unix:///path or HOST:PORT")
+    p.add_argument("--name", default="default", help="model name, for logs and Info")
+    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS)
+    p.add_argument("--release-interval", type=int, default=DEFAULT_RELEASE_INTERVAL)
+    p.add_argument("--cache-limit", default="default", help='"default", "unbounded" or bytes')
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
+    p.add_argument("--max-queue", type=int, default=8, help="requests that may wait behind the running one")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight work gets after SIGTERM")
+    p.add_argument("--no-release", action="store_true", help="debug: never release the pool (shows the leak)")
+    p.add_argument("--debug-rpcs", action="store_true", help="debug: enable DebugBlock")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (default: the parent)")
+    args = p.parse_args(argv)
+    if args.cache_limit not in ("default", "unbounded"):
+        try:
+            args.cache_limit = int(args.cache_limit)
+        except ValueError:
+            p.error("--cache-limit must be default, unbounded or a number of bytes")
+    if args.release_interval <= 0 or args.max_queue < 0 or args.prefill_chunk <= 0:
+        p.error("--release-interval and --prefill-chunk must be positive, --max-queue >= 0")
+    return args
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Exit when the parent dies: PR_SET_PDEATHSIG on Linux, a pid watch everywhere."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # already gone before the prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                logging.getLogger("runner").warning("parent %d is gone: stopping", parent_pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def prepare_unix_socket(address: str) -> None:
+    """Socket directory only its owner can enter; a stale socket from a crash is removed."""
+    path = Path(address.removeprefix("unix://"))
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = directory.stat()
+    if info.st_uid != os.getuid():
+        raise OSError(f"socket directory {directory} belongs to another user")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(directory, 0o700)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise OSError(f"{path} exists and is not a socket")
+        path.unlink()
+
+
+def main(argv=None) -> int:
+    reexec_with_fast_blas()
+    args = parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format=f"%(asctime)s runner[{args.name}:%(process)d] %(levelname)s %(message)s")
+    log = logging.getLogger("runner")
+    die_with_parent(args.parent_pid or os.getppid())
+
+    from .engine import Engine, EngineSettings
+    from .errors import ModelLoadError
+    from .server import RunnerServer, RunnerService
+
+    stopping = threading.Event()
+    exit_code = [0]
+
+    def on_signal(signum, frame):
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    os.umask(0o077)  # the socket file: owner only
+    try:
+        if args.listen.startswith("unix:"):
+            prepare_unix_socket(args.listen)
+        server = RunnerServer(RunnerService(args.name, args.debug_rpcs), args.listen, args.max_queue)
+        server.start()
+        if args.listen.startswith("unix:"):
+            os.chmod(args.listen.removeprefix("unix://"), 0o600)
+    except (OSError, RuntimeError) as error:
+        print(f"runner: cannot listen on {args.listen}: {error}", file=sys.stderr)
+        return EXIT_BAD_START
+    log.info("listening on %s; loading %s (draft %s)", args.listen, args.target, args.draft)
+
+    settings = EngineSettings(
+        num_draft_tokens=args.num_draft_tokens, release_interval=args.release_interval,
+        prefill_chunk=args.prefill_chunk, cache_limit=args.cache_limit, release_enabled=not args.no_release,
+    )
+    started = time.perf_counter()
+    try:
+        engine = Engine.load(args.target, args.draft, settings)
+        engine.warm_up()
+    except ModelLoadError as error:
+        print(f"runner: {error}", file=sys.stderr)
+        server.server.stop(0)
+        return EXIT_BAD_START
+
+    def on_fatal(error):
+        exit_code[0] = EXIT_ENGINE_FAILURE
+        stopping.set()
+
+    if stopping.is_set():
+        server.shutdown(0)
+        return 0
+    server.attach(engine, on_fatal)
+    log.info("serving %s after %.2f s (k=%d, release every %d tokens%s, cache limit %d)",
+             args.name, time.perf_counter() - started, settings.num_draft_tokens if engine.draft else 0,
+             settings.release_interval, "" if settings.release_enabled else " DISABLED", engine.cache_limit)
+    while not stopping.wait(0.5):
+        pass
+    log.info("stopping (grace %.1f s)", args.grace)
+    server.shutdown(args.grace if exit_code[0] == 0 else 1.0)
+    if args.listen.startswith("unix:"):
+        Path(args.listen.removeprefix("unix://")).unlink(missing_ok=True)
+    log.info("stopped")
+    return exit_code[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

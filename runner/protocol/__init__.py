@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for the runner service (proto/runner.proto). Do not edit."""

@@ -1,0 +1,193 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "prompt_ids", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "num_draft_tokens", "request_id", "ignore_eos")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    num_draft_tokens: int
+    request_id: str
+    ignore_eos: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerationStats(_message.Message):
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round", "time_to_first_token_s", "prefill_s", "decode_s", "tokens_per_second", "releases", "release_positions", "active_memory", "cache_memory", "peak_memory")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    generated_tokens: int
+    rounds: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    tokens_per_round: float
+    time_to_first_token_s: float
+    prefill_s: float
+    decode_s: float
+    tokens_per_second: float
+    releases: int
+    release_positions: _containers.RepeatedScalarFieldContainer[int]
+    active_memory: int
+    cache_memory: int
+    peak_memory: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., releases: _Optional[int] = ..., release_positions: _Optional[_Iterable[int]] = ..., active_memory: _Optional[int] = ..., cache_memory: _Optional[int] = ..., peak_memory: _Optional[int] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("text", "token_ids", "drafted", "accepted", "finish_reason", "stats")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    drafted: int
+    accepted: int
+    finish_reason: FinishReason
+    stats: GenerationStats
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("path", "architecture", "parameters", "context_length", "dtype", "vocab_size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    architecture: str
+    parameters: int
+    context_length: int
+    dtype: str
+    vocab_size: int
+    def __init__(self, path: _Optional[str] = ..., architecture: _Optional[str] = ..., parameters: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    target: ModelInfo
+    draft: ModelInfo
+    device: str
+    num_draft_tokens: int
+    release_interval: int
+    release_enabled: bool
+    cache_limit: int
+    version: str
+    pid: int
+    max_queue: int
+    def __init__(self, name: _Optional[str] = ..., target: _Optional[_Union[ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., release_interval: _Optional[int] = ..., release_enabled: _Optional[bool] = ..., cache_limit: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., max_queue: _Optional[int] = ...) -> None: ...
+
+class MemoryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MemoryResponse(_message.Message):
+    __slots__ = ("active", "cache", "peak", "cache_limit", "memory_limit", "releases", "rss", "queued", "busy")
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    PEAK_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    RSS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    active: int
+    cache: int
+    peak: int
+    cache_limit: int
+    memory_limit: int
+    releases: int
+    rss: int
+    queued: int
+    busy: bool
+    def __init__(self, active: _Optional[int] = ..., cache: _Optional[int] = ..., peak: _Optional[int] = ..., cache_limit: _Optional[int] = ..., memory_limit: _Optional[int] = ..., releases: _Optional[int] = ..., rss: _Optional[int] = ..., queued: _Optional[int] = ..., busy: _Optional[bool] = ...) -> None: ...
+
+class ReleaseMemoryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseMemoryResponse(_message.Message):
+    __slots__ = ("cache_before", "cache_after")
+    CACHE_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    cache_before: int
+    cache_after: int
+    def __init__(self, cache_before: _Optional[int] = ..., cache_after: _Optional[int] = ...) -> None: ...
+
+class DebugBlockRequest(_message.Message):
+    __slots__ = ("seconds",)
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    def __init__(self, seconds: _Optional[float] = ...) -> None: ...
+
+class DebugBlockResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,210 @@
+"""The runner's gRPC service: the decode engine behind proto/runner.proto.
+
+The server starts listening before the models load, with health NOT_SERVING,
+so a supervisor can tell "loading" from "dead"; ``attach`` switches it to
+SERVING once the engine is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent import futures
+
+import grpc
+import mlx.core as mx
+import psutil
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from . import __version__
+from .engine import Engine, GenerationRequest, GenerationStats, LoadedModel, Round
+from .errors import InvalidRequest
+from .protocol import runner_pb2, runner_pb2_grpc
+from .worker import MlxWorker, QueueFull, WorkerStopped
+
+log = logging.getLogger("runner")
+
+SERVICE_NAME = runner_pb2.DESCRIPTOR.services_by_name["Runner"].full_name
+MAX_MESSAGE_BYTES = 8 * 2**20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+FINISH_REASONS = {
+    "stop": runner_pb2.FINISH_REASON_STOP,
+    "length": runner_pb2.FINISH_REASON_LENGTH,
+    "cancelled": runner_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+def request_from_proto(message: runner_pb2.GenerateRequest) -> GenerationRequest:
+    if message.prompt and message.prompt_ids:
+        raise InvalidRequest("prompt", "set prompt or prompt_ids, not both")
+    return GenerationRequest(
+        prompt=message.prompt,
+        prompt_ids=tuple(message.prompt_ids),
+        max_tokens=message.max_tokens,
+        temperature=message.temperature,
+        top_k=message.top_k,
+        top_p=message.top_p if message.HasField("top_p") else 1.0,
+        min_p=message.min_p,
+        seed=message.seed if message.HasField("seed") else None,
+        stop=tuple(message.stop),
+        num_draft_tokens=message.num_draft_tokens if message.HasField("num_draft_tokens") else None,
+        ignore_eos=message.ignore_eos,
+        request_id=message.request_id,
+    )
+
+
+def stats_to_proto(s: GenerationStats) -> runner_pb2.GenerationStats:
+    return runner_pb2.GenerationStats(
+        prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens, rounds=s.rounds,
+        drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.acceptance_rate,
+        tokens_per_round=s.tokens_per_round, time_to_first_token_s=s.time_to_first_token,
+        prefill_s=s.prefill_seconds, decode_s=s.decode_seconds, tokens_per_second=s.tokens_per_second,
+        releases=s.releases, release_positions=s.release_positions,
+        active_memory=s.active_memory, cache_memory=s.cache_memory, peak_memory=s.peak_memory,
+    )
+
+
+def chunk_to_proto(r: Round) -> runner_pb2.GenerateChunk:
+    chunk = runner_pb2.GenerateChunk(text=r.text, token_ids=r.token_ids, drafted=r.drafted, accepted=r.accepted)
+    if r.finish_reason is not None:
+        chunk.finish_reason = FINISH_REASONS[r.finish_reason]
+    if r.stats is not None:
+        chunk.stats.CopyFrom(stats_to_proto(r.stats))
+    return chunk
+
+
+def model_info(loaded: LoadedModel) -> runner_pb2.ModelInfo:
+    return runner_pb2.ModelInfo(
+        path=str(loaded.path), architecture=str(loaded.config.get("model_type", "")),
+        parameters=loaded.parameters, context_length=loaded.context_length, dtype=loaded.dtype,
+        vocab_size=loaded.model.args.vocab_size,
+    )
+
+
+class RunnerService(runner_pb2_grpc.RunnerServicer):
+    def __init__(self, name: str, debug_rpcs: bool = False):
+        self.name = name
+        self.debug_rpcs = debug_rpcs
+        self.engine: Engine | None = None
+        self.worker: MlxWorker | None = None
+        self._process = psutil.Process()
+
+    def _ready(self, context) -> MlxWorker:
+        if self.worker is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"runner {self.name}: models are still loading")
+        return self.worker
+
+    def Generate(self, message, context):
+        worker = self._ready(context)
+        try:
+            request = request_from_proto(message)
+            self.engine.prepare(request)  # every field checked before the request queues
+            job = worker.submit(request)
+        except InvalidRequest as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except QueueFull:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"runner {self.name}: {worker.max_queue} requests already waiting")
+        except WorkerStopped:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"runner {self.name}: shutting down")
+        context.add_callback(job.cancel)  # client gone or deadline passed
+        try:
+            for round_ in job.results():
+                yield chunk_to_proto(round_)
+        except InvalidRequest as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except WorkerStopped:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"runner {self.name}: shutting down")
+        except Exception as error:  # noqa: BLE001
+            context.abort(grpc.StatusCode.INTERNAL, f"runner {self.name}: engine failure: {type(error).__name__}: {error}")
+        finally:
+            job.cancel()
+
+    def Info(self, message, context):
+        self._ready(context)
+        engine = self.engine
+        response = runner_pb2.InfoResponse(
+            name=self.name, target=model_info(engine.target), device=mx.default_device().type.name,
+            num_draft_tokens=engine.settings.num_draft_tokens if engine.draft else 0,
+            release_interval=engine.settings.release_interval, release_enabled=engine.settings.release_enabled,
+            cache_limit=engine.cache_limit, version=__version__, pid=os.getpid(), max_queue=self.worker.max_queue,
+        )
+        if engine.draft is not None:
+            response.draft.CopyFrom(model_info(engine.draft))
+        return response
+
+    def Memory(self, message, context):
+        # Read straight from MLX's allocator counters: no need to wait for the MLX thread.
+        worker = self.worker
+        return runner_pb2.MemoryResponse(
+            active=mx.get_active_memory(), cache=mx.get_cache_memory(), peak=mx.get_peak_memory(),
+            cache_limit=self.engine.cache_limit if self.engine else 0, memory_limit=mx.get_memory_limit(),
+            releases=self.engine.total_releases if self.engine else 0, rss=self._process.memory_info().rss,
+            queued=worker.queued if worker else 0, busy=worker.busy if worker else False,
+        )
+
+    def ReleaseMemory(self, message, context):
+        worker = self._ready(context)
+        before, after = worker.call(self.engine.release_memory).result()
+        log.info("pool released on request: %d -> %d bytes", before, after)
+        return runner_pb2.ReleaseMemoryResponse(cache_before=before, cache_after=after)
+
+    def DebugBlock(self, message, context):
+        worker = self._ready(context)
+        if not self.debug_rpcs:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "debug RPCs are off (start the runner with --debug-rpcs)")
+        log.warning("debug: blocking the MLX thread for %.1f s", message.seconds)
+        worker.call(lambda: time.sleep(message.seconds))  # not awaited: the caller returns at once
+        return runner_pb2.DebugBlockResponse()
+
+
+class RunnerServer:
+    """gRPC server, health and reflection around one RunnerService."""
+
+    def __init__(self, service: RunnerService, address: str, max_queue: int):
+        self.service = service
+        self.address = address
+        self.max_queue = max_queue
+        self.health = health.HealthServicer()
+        # Handler threads: one per queued or running stream, plus room for health and memory probes.
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_queue + 16, thread_name_prefix="grpc"),
+                                  options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_queue + 64)
+        runner_pb2_grpc.add_RunnerServicer_to_server(service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.server.add_insecure_port(address) == 0 and not address.startswith("unix:"):
+            raise OSError(f"cannot listen on {address}")
+
+    def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        self.server.start()
+
+    def attach(self, engine: Engine, on_fatal) -> None:
+        """Models are loaded: start the MLX thread and report SERVING."""
+        self.service.engine = engine
+        worker = MlxWorker(engine, self.max_queue, on_fatal=on_fatal)
+        worker.start()
+        self.service.worker = worker
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def shutdown(self, grace: float) -> None:
+        """NOT_SERVING, no new calls, in-flight work gets ``grace`` seconds, then is cancelled."""
+        self.health.enter_graceful_shutdown()
+        worker = self.service.worker
+        if worker is not None:
+            worker.stop(cancel_running=False)
+        done = self.server.stop(grace)
+        if worker is not None and not worker.join(grace):
+            worker.stop(cancel_running=True)
+            worker.join(5)
+        done.wait(grace + 5)
