@@ -30,7 +30,7 @@ models: install
 	$(WITH_BLAS) MKL_THREADING_LAYER=GNU $(BIN)/python models/train.py
 
 run: install
-	$(WITH_BLAS) $(BIN)/python -m runner.sample
+	$(BIN)/python -m supervisor serve --sample-request
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -28,7 +28,7 @@ def generate(output_root: Path) -> list[Path]:
         (output_root / package_dir).mkdir(parents=True, exist_ok=True)
         args = [
             "protoc",
-            f"-I{package_dir}={HERE}",
+            *(f"-I{other}={HERE}" for other in PACKAGES.values()),
             f"-I{well_known}",
             f"--python_out={output_root}",
             f"--pyi_out={output_root}",

@@ -1,0 +1,115 @@
+"""python -m supervisor serve [--config FILE] | generate --model NAME PROMPT | models | memory | status"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+import grpc
+
+from .config import DEFAULT_LISTEN, ConfigError, default_config, load
+
+SAMPLE_PROMPT = "The for statement is used to iterate over the elements of a sequence"
+
+
+def serve(args) -> int:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s supervisor[%(process)d] %(levelname)s %(message)s")
+    try:
+        config = load(args.config) if args.config else default_config()
+    except ConfigError as error:
+        print(f"supervisor: {error}", file=sys.stderr)
+        return 2
+    from .service import Supervisor
+
+    stop = threading.Event()  # handlers first: a SIGTERM during start-up still shuts down cleanly
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        supervisor = Supervisor(config)
+        supervisor.start()
+    except (OSError, RuntimeError) as error:
+        print(f"supervisor: {error}", file=sys.stderr)
+        return 2
+    if args.sample_request and supervisor.scheduler.runners[next(iter(config.models))].wait_serving(
+            config.startup_timeout).name == "SERVING":
+        answer_sample_request(config.listen, next(iter(config.models)))
+    supervisor.serve_until(stop)
+    return 0
+
+
+def answer_sample_request(address: str, model: str) -> None:
+    from .client import SupervisorClient
+
+    with SupervisorClient(address) as client:
+        print(f"\n--- sample request to model {model!r} at {address}:\n{SAMPLE_PROMPT}", flush=True)
+        last = None
+        for last in client.generate(model=model, prompt=SAMPLE_PROMPT, max_tokens=120, timeout=300):
+            print(last.text, end="", flush=True)
+        s = last.stats
+        print(f"\n--- {s.generated_tokens} tokens, {s.tokens_per_second:.0f} tok/s, acceptance {s.acceptance_rate:.2f}; "
+              f"serving until Ctrl-C (python -m supervisor generate --model {model} \"...\")\n", flush=True)
+
+
+def client_command(args) -> int:
+    from .client import SupervisorClient, format_models
+
+    try:
+        with SupervisorClient(args.address, token=args.token) as client:
+            if args.command == "generate":
+                last = None
+                for last in client.generate(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
+                                            temperature=args.temperature, timeout=args.timeout):
+                    sys.stdout.write(last.text)
+                    sys.stdout.flush()
+                if last is not None and last.HasField("stats"):
+                    s = last.stats
+                    print(f"\n[{s.generated_tokens} tokens, {s.tokens_per_second:.0f} tok/s, "
+                          f"acceptance {s.acceptance_rate:.2f}]", file=sys.stderr)
+                else:
+                    print()
+            elif args.command == "models":
+                print(format_models(client.list_models().models))
+            elif args.command == "memory":
+                memory = client.get_memory()
+                print(format_models(memory.models, memory=True))
+                print(f"system: {memory.system_available / 2**20:.0f} MiB available of {memory.system_total / 2**20:.0f} MiB; "
+                      f"supervisor RSS {memory.supervisor_rss / 2**20:.0f} MiB")
+            elif args.command == "status":
+                status = client.get_status()
+                print(f"supervisor {status.version} pid {status.pid}, up {status.uptime_s:.0f} s, "
+                      f"{'ready' if status.ready else 'not ready'}, max_loaded {status.max_loaded}")
+                print(format_models(status.models))
+    except grpc.RpcError as error:
+        print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m supervisor", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="run the supervisor")
+    serve_parser.add_argument("--config", help="TOML file (default: serve the embedded default pair)")
+    serve_parser.add_argument("--sample-request", action="store_true", help="answer one sample request once ready")
+    for name in ("generate", "models", "memory", "status"):
+        sub = commands.add_parser(name)
+        sub.add_argument("--address", default=DEFAULT_LISTEN)
+        sub.add_argument("--token", default="", help="bearer token, when the supervisor requires one")
+        if name == "generate":
+            sub.add_argument("--model", default="")
+            sub.add_argument("--max-tokens", type=int, default=200)
+            sub.add_argument("--temperature", type=float, default=0.0)
+            sub.add_argument("--timeout", type=float, default=300)
+            sub.add_argument("prompt")
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return client_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""A client for the supervisor's public API, used by the CLI, the tests and the benchmarks."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from runner.client import RECONNECT_OPTIONS
+from runner.server import CHANNEL_OPTIONS
+
+from .protocol import supervisor_pb2, supervisor_pb2_grpc
+
+STATE_NAMES = {v: k.removeprefix("RUNNER_STATE_").lower() for k, v in supervisor_pb2.RunnerState.items()}
+
+
+class SupervisorClient:
+    def __init__(self, address: str, token: str = ""):
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        self.stub = supervisor_pb2_grpc.SupervisorStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def health_status(self, service: str = "", timeout: float = 1.0) -> int | None:
+        try:
+            return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+        except grpc.RpcError:
+            return None
+
+    def wait_serving(self, timeout: float, service: str = "") -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.health_status(service) == health_pb2.HealthCheckResponse.SERVING:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def generate(self, timeout: float | None = None, **fields):
+        return self.stub.Generate(supervisor_pb2.GenerateRequest(**fields), timeout=timeout, metadata=self.metadata)
+
+    def list_models(self):
+        return self.stub.ListModels(supervisor_pb2.ListModelsRequest(), timeout=10, metadata=self.metadata)
+
+    def load_model(self, model: str, timeout: float = 180):
+        return self.stub.LoadModel(supervisor_pb2.LoadModelRequest(model=model), timeout=timeout, metadata=self.metadata)
+
+    def unload_model(self, model: str, timeout: float = 60):
+        return self.stub.UnloadModel(supervisor_pb2.UnloadModelRequest(model=model), timeout=timeout, metadata=self.metadata)
+
+    def get_memory(self, model: str = ""):
+        return self.stub.GetMemory(supervisor_pb2.GetMemoryRequest(model=model), timeout=10, metadata=self.metadata)
+
+    def get_status(self):
+        return self.stub.GetStatus(supervisor_pb2.GetStatusRequest(), timeout=10, metadata=self.metadata)
+
+    def model(self, name: str):
+        return next(m for m in self.list_models().models if m.name == name)
+
+
+def format_models(models, memory: bool = False) -> str:
+    lines = []
+    for m in models:
+        line = f"{m.name:<16} {STATE_NAMES[m.state]:<9} pid {m.pid:<7} restarts {m.restarts:<3} {m.reason}"
+        if memory:
+            s = m.memory
+            line += (f"\n    rss {s.rss / 2**20:.0f} MiB, anonymous {s.anonymous / 2**20:.0f} MiB, peak {s.peak_rss / 2**20:.0f} MiB, "
+                     f"growth {s.growth_bytes_per_s / 2**20:+.1f} MiB/s; MLX active {s.mlx_active / 2**20:.0f} MiB, "
+                     f"pool {s.mlx_cache / 2**20:.1f} MiB, releases {s.mlx_releases}")
+        lines.append(line)
+    return "\n".join(lines)

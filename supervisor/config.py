@@ -1,0 +1,258 @@
+"""The supervisor's configuration: a TOML file, or the zero-config default pair.
+
+    listen = "127.0.0.1:50051"        # or "unix:///path"; non-loopback needs allow_remote
+    probe_port = 9464                 # HTTP /healthz /readyz /metrics on 127.0.0.1 (0 = off)
+    runtime_dir = "/run/mlxserve"     # runner sockets (default: a private folder under /tmp)
+    max_loaded = 2                    # runners alive at once; least recently used idle one is evicted
+
+    [models.default]
+    target = "models/default/target"
+    draft = "models/default/draft"    # optional
+    num_draft_tokens = 3
+    release_interval = 256
+    cache_limit = "default"           # "default", "unbounded" or bytes
+    soft_limit = "2GiB"               # ReleaseMemory above this RSS (anonymous)
+    hard_limit = "4GiB"               # drain and restart above this
+    keep_alive = "5m"                 # unload after this long idle ("0" = never)
+    load_at_start = true
+
+Every problem is reported as one ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from runner.engine import DEFAULT_NUM_DRAFT_TOKENS, MAX_NUM_DRAFT_TOKENS
+from runner.release import DEFAULT_RELEASE_INTERVAL
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+DEFAULT_PROBE_PORT = 9464
+
+
+class ConfigError(ValueError):
+    def __init__(self, key: str, message: str):
+        super().__init__(f"config: {key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    target: Path
+    draft: Path | None = None
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    release_interval: int = DEFAULT_RELEASE_INTERVAL
+    cache_limit: str | int = "default"
+    soft_limit: int = 0  # bytes of anonymous memory; 0 = none
+    hard_limit: int = 0
+    keep_alive: float = 0.0  # seconds idle before unloading; 0 = never
+    load_at_start: bool = True
+    max_queue: int = 8
+    release_enabled: bool = True  # debug: False starts the runner with --no-release
+    debug_rpcs: bool = False
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    models: dict[str, ModelConfig]
+    listen: str = DEFAULT_LISTEN
+    probe_port: int = DEFAULT_PROBE_PORT
+    runtime_dir: Path = field(default_factory=lambda: default_runtime_dir())
+    max_loaded: int = 0  # 0 = as many as there are models
+    allow_remote: bool = False
+    auth_token: str = ""
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    startup_timeout: float = 120.0
+    health_period: float = 2.0
+    health_deadline: float = 2.0
+    health_misses: int = 3
+    memory_period: float = 1.0
+    restart_backoff: float = 1.0
+    restart_backoff_cap: float = 30.0
+    stable_after: float = 60.0
+    max_restarts: int = 5
+    drain_grace: float = 10.0
+    kill_timeout: float = 5.0
+
+    @property
+    def loaded_cap(self) -> int:
+        return self.max_loaded or len(self.models)
+
+
+def default_runtime_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(base) / f"mlxserve-{os.getuid()}"
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}
+
+
+def parse_size(key: str, value) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(key, "expected a size such as 512MiB or 2GB")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(key, "must not be negative")
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ConfigError(key, f"{value!r} is not a size such as 512MiB or 2GB")
+    unit = (match.group(2) or "").lower().removesuffix("b")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_duration(key: str, value) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(key, "expected a duration such as 30s or 5m")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(key, "must not be negative")
+        return float(value)
+    match = _DURATION.match(str(value))
+    if not match:
+        raise ConfigError(key, f"{value!r} is not a duration such as 30s or 5m")
+    return float(match.group(1)) * _SECONDS[match.group(2)]
+
+
+def _take(table: dict, key: str, prefix: str, kind, default):
+    if key not in table:
+        return default
+    value = table.pop(key)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{prefix}{key}", f"expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _folder(key: str, value: str, base: Path) -> Path:
+    path = Path(value)
+    path = path if path.is_absolute() else base / path
+    if not path.is_dir():
+        raise ConfigError(key, f"no such folder: {path}")
+    if not (path / "config.json").is_file():
+        raise ConfigError(key, f"{path} holds no config.json (not an mlx-lm model folder)")
+    return path
+
+
+def _model(name: str, table: dict, base: Path) -> ModelConfig:
+    p = f"models.{name}."
+    if not isinstance(table, dict):
+        raise ConfigError(f"models.{name}", "expected a table")
+    table = dict(table)
+    if "target" not in table:
+        raise ConfigError(f"{p}target", "is required")
+    target = _folder(f"{p}target", _take(table, "target", p, str, ""), base)
+    draft_value = _take(table, "draft", p, str, "")
+    draft = _folder(f"{p}draft", draft_value, base) if draft_value else None
+    k = _take(table, "num_draft_tokens", p, int, DEFAULT_NUM_DRAFT_TOKENS)
+    if not 0 <= k <= MAX_NUM_DRAFT_TOKENS:
+        raise ConfigError(f"{p}num_draft_tokens", f"must lie in [0, {MAX_NUM_DRAFT_TOKENS}]")
+    interval = _take(table, "release_interval", p, int, DEFAULT_RELEASE_INTERVAL)
+    if interval <= 0:
+        raise ConfigError(f"{p}release_interval", "must be positive")
+    cache_limit = table.pop("cache_limit", "default")
+    if cache_limit not in ("default", "unbounded"):
+        cache_limit = parse_size(f"{p}cache_limit", cache_limit)
+    soft = parse_size(f"{p}soft_limit", table.pop("soft_limit", 0))
+    hard = parse_size(f"{p}hard_limit", table.pop("hard_limit", 0))
+    if soft and hard and soft >= hard:
+        raise ConfigError(f"{p}soft_limit", "must be below hard_limit")
+    keep_alive = parse_duration(f"{p}keep_alive", table.pop("keep_alive", 0))
+    max_queue = _take(table, "max_queue", p, int, 8)
+    if max_queue < 0:
+        raise ConfigError(f"{p}max_queue", "must be >= 0")
+    model = ModelConfig(
+        name=name, target=target, draft=draft, num_draft_tokens=k, release_interval=interval,
+        cache_limit=cache_limit, soft_limit=soft, hard_limit=hard, keep_alive=keep_alive,
+        load_at_start=_take(table, "load_at_start", p, bool, True), max_queue=max_queue,
+        release_enabled=_take(table, "release_enabled", p, bool, True),
+        debug_rpcs=_take(table, "debug_rpcs", p, bool, False),
+    )
+    if table:
+        raise ConfigError(f"{p}{sorted(table)[0]}", "unknown key")
+    return model
+
+
+def is_loopback(address: str) -> bool:
+    if address.startswith("unix:"):
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def from_dict(data: dict, base: Path) -> SupervisorConfig:
+    data = dict(data)
+    models_table = data.pop("models", None)
+    if not isinstance(models_table, dict) or not models_table:
+        raise ConfigError("models", "at least one [models.NAME] table is required")
+    models = {}
+    for name, table in models_table.items():
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+            raise ConfigError(f"models.{name}", "names are letters, digits, '.', '_' and '-'")
+        models[name] = _model(name, table, base)
+    listen = _take(data, "listen", "", str, DEFAULT_LISTEN)
+    allow_remote = _take(data, "allow_remote", "", bool, False)
+    if not is_loopback(listen) and not allow_remote:
+        raise ConfigError("listen", f"{listen} is not a loopback address: set allow_remote = true to bind it")
+    probe_port = _take(data, "probe_port", "", int, DEFAULT_PROBE_PORT)
+    if not 0 <= probe_port <= 65535:
+        raise ConfigError("probe_port", "must lie in [0, 65535]")
+    runtime_dir = Path(_take(data, "runtime_dir", "", str, str(default_runtime_dir())))
+    max_loaded = _take(data, "max_loaded", "", int, 0)
+    if max_loaded < 0:
+        raise ConfigError("max_loaded", "must be >= 0 (0 = all models)")
+    tls_cert = _take(data, "tls_cert", "", str, "")
+    tls_key = _take(data, "tls_key", "", str, "")
+    if bool(tls_cert) != bool(tls_key):
+        raise ConfigError("tls_cert", "tls_cert and tls_key go together")
+    for key, value in (("tls_cert", tls_cert), ("tls_key", tls_key)):
+        if value and not (base / value).is_file():
+            raise ConfigError(key, f"no such file: {base / value}")
+    timings = {}
+    for key in ("startup_timeout", "health_period", "health_deadline", "memory_period", "restart_backoff",
+                "restart_backoff_cap", "stable_after", "drain_grace", "kill_timeout"):
+        if key in data:
+            timings[key] = parse_duration(key, data.pop(key))
+    for key in ("health_misses", "max_restarts"):
+        if key in data:
+            timings[key] = _take(data, key, "", int, 0)
+            if timings[key] < 1:
+                raise ConfigError(key, "must be at least 1")
+    config = SupervisorConfig(
+        models=models, listen=listen, probe_port=probe_port, runtime_dir=runtime_dir, max_loaded=max_loaded,
+        allow_remote=allow_remote, auth_token=_take(data, "auth_token", "", str, ""),
+        tls_cert=base / tls_cert if tls_cert else None, tls_key=base / tls_key if tls_key else None, **timings,
+    )
+    if data:
+        raise ConfigError(sorted(data)[0], "unknown key")
+    return config
+
+
+def load(path: str | Path) -> SupervisorConfig:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("--config", f"no such file: {path}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError("--config", f"{path} is not valid TOML: {error}") from None
+    return from_dict(data, path.resolve().parent)
+
+
+def default_config(**overrides) -> SupervisorConfig:
+    """Zero configuration: the embedded default pair, loaded at start."""
+    model = ModelConfig(name="default", target=DEFAULT_TARGET, draft=DEFAULT_DRAFT)
+    return SupervisorConfig(models={"default": model}, **overrides)

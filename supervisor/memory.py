@@ -1,0 +1,188 @@
+"""The memory policy: watch every runner with psutil and act on its limits.
+
+Per model, on every sample (default once a second):
+- measured = anonymous memory of the runner's process tree (rss - shared), so
+  memory-mapped weight files are not mistaken for growth;
+- over ``hard_limit``: drain and restart the runner; its in-flight request
+  fails with RESOURCE_EXHAUSTED naming the limit and the measured value;
+- over ``soft_limit``: ask the runner to release MLX's pool (ReleaseMemory),
+  at most once per ``SOFT_RELEASE_EVERY`` seconds, logging before and after.
+  Memory that is still in use after a release is left alone until it reaches
+  the hard limit, so a runner that needs its memory is not restarted in a loop.
+
+Before a runner starts, ``admit`` checks the system's available memory
+against what the model will need, and refuses instead of risking the OOM killer.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import psutil
+
+from runner.protocol import runner_pb2
+
+from .config import ModelConfig
+from .runners import ManagedRunner, State
+
+log = logging.getLogger("supervisor")
+
+HISTORY = 120
+FULL_INFO_EVERY = 10  # PSS/USS walk /proc/PID/smaps: costly, so less often
+SOFT_RELEASE_EVERY = 5.0
+RUNTIME_OVERHEAD = 300 * 2**20  # interpreter, MLX, gRPC, tokenizer
+
+
+@dataclass
+class Sample:
+    at: float
+    rss: int
+    anonymous: int
+    pss: int = 0
+    uss: int = 0
+
+
+@dataclass
+class MlxFigures:
+    active: int = 0
+    cache: int = 0
+    peak: int = 0
+    releases: int = 0
+
+
+class RunnerMemory:
+    """History and the latest figures of one runner."""
+
+    def __init__(self):
+        self.history: collections.deque[Sample] = collections.deque(maxlen=HISTORY)
+        self.peak_rss = 0
+        self.mlx = MlxFigures()
+        self.last_soft_release = 0.0
+        self.soft_releases = 0
+        self.hard_restarts = 0
+        self._full = Sample(0, 0, 0)
+
+    @property
+    def current(self) -> Sample | None:
+        return self.history[-1] if self.history else None
+
+    @property
+    def growth_rate(self) -> float:
+        if len(self.history) < 2:
+            return 0.0
+        first, last = self.history[0], self.history[-1]
+        return (last.anonymous - first.anonymous) / max(last.at - first.at, 1e-9)
+
+
+def sample_tree(pid: int, count: int, previous: Sample) -> Sample:
+    root = psutil.Process(pid)
+    rss = anonymous = pss = uss = 0
+    full = count % FULL_INFO_EVERY == 0
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            info = process.memory_info()
+            rss += info.rss
+            anonymous += info.rss - getattr(info, "shared", 0)
+            if full:
+                detail = process.memory_full_info()
+                pss += getattr(detail, "pss", 0)
+                uss += getattr(detail, "uss", 0)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    if not full:
+        pss, uss = previous.pss, previous.uss
+    return Sample(time.monotonic(), rss, anonymous, pss, uss)
+
+
+def model_bytes(model: ModelConfig) -> int:
+    """Weights as loaded (fp16 files become fp32 on the CPU) plus the runtime."""
+    files = 0
+    for folder in filter(None, (model.target, model.draft)):
+        files += sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    return 2 * files + RUNTIME_OVERHEAD
+
+
+class AdmissionRefused(Exception):
+    pass
+
+
+def admit(model: ModelConfig) -> None:
+    needed = model_bytes(model)
+    available = psutil.virtual_memory().available
+    if needed > available:
+        raise AdmissionRefused(
+            f"model {model.name}: needs about {needed / 2**20:.0f} MiB, only {available / 2**20:.0f} MiB available")
+
+
+class MemoryWatch:
+    def __init__(self, runners: dict[str, ManagedRunner], period: float, on_sample=lambda name, memory: None):
+        self.runners = runners
+        self.period = period
+        self.memory = {name: RunnerMemory() for name in runners}
+        self._on_sample = on_sample
+        self._stop = threading.Event()
+        self._count = 0
+        self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._count += 1
+            for name, runner in self.runners.items():
+                try:
+                    self.check(runner)
+                except Exception as error:  # noqa: BLE001 - one bad sample must not stop the watch
+                    log.debug("model %s: memory sample failed: %s", name, error)
+
+    def check(self, runner: ManagedRunner) -> None:
+        memory = self.memory[runner.name]
+        pid = runner.pid
+        if not pid or runner.state not in (State.STARTING, State.SERVING):
+            return
+        sample = sample_tree(pid, self._count, memory.current or Sample(0, 0, 0))
+        memory.history.append(sample)
+        memory.peak_rss = max(memory.peak_rss, sample.rss)
+        if runner.state == State.SERVING and runner.client is not None:
+            try:
+                m = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=0.5)
+                memory.mlx = MlxFigures(m.active, m.cache, m.peak, m.releases)
+            except grpc.RpcError:
+                pass
+            self._apply_limits(runner, memory, sample)
+        self._on_sample(runner.name, memory)
+
+    def _apply_limits(self, runner: ManagedRunner, memory: RunnerMemory, sample: Sample) -> None:
+        model = runner.model
+        measured = sample.anonymous
+        if model.hard_limit and measured > model.hard_limit:
+            message = (f"model {runner.name}: runner memory {measured / 2**20:.0f} MiB is over the hard limit "
+                       f"of {model.hard_limit / 2**20:.0f} MiB; the runner is restarting")
+            log.warning(message)
+            memory.hard_restarts += 1
+            memory.history.clear()
+            runner.restart("hard memory limit", grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            return
+        now = time.monotonic()
+        if model.soft_limit and measured > model.soft_limit and now - memory.last_soft_release >= SOFT_RELEASE_EVERY:
+            memory.last_soft_release = now
+            try:
+                released = runner.client.stub.ReleaseMemory(runner_pb2.ReleaseMemoryRequest(), timeout=5)
+            except grpc.RpcError as error:
+                log.warning("model %s: ReleaseMemory failed: %s", runner.name, error.details())
+                return
+            memory.soft_releases += 1
+            after = sample_tree(runner.pid, 1, sample).anonymous if runner.pid else 0
+            log.info("model %s: over the soft limit (%.0f MiB > %.0f MiB): pool %d -> %d bytes, memory now %.0f MiB",
+                     runner.name, measured / 2**20, model.soft_limit / 2**20,
+                     released.cache_before, released.cache_after, after / 2**20)

@@ -1,0 +1,76 @@
+"""HTTP probes for hosts that cannot speak gRPC: /healthz, /readyz, /metrics.
+
+No prompt or output ever reaches this port: only states, counts and sizes.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rss = Gauge("mlxserve_runner_rss_bytes", "Runner process tree RSS", ["model"], registry=r)
+        self.anonymous = Gauge("mlxserve_runner_anonymous_bytes", "Runner RSS minus shared (mapped) memory",
+                               ["model"], registry=r)
+        self.mlx_cache = Gauge("mlxserve_runner_mlx_cache_bytes", "MLX buffer pool size", ["model"], registry=r)
+        self.mlx_active = Gauge("mlxserve_runner_mlx_active_bytes", "MLX active memory", ["model"], registry=r)
+        self.releases = Gauge("mlxserve_runner_pool_releases", "Pool releases by the current runner process",
+                              ["model"], registry=r)
+        self.soft_releases = Gauge("mlxserve_soft_limit_releases", "ReleaseMemory calls by the memory policy",
+                                     ["model"], registry=r)
+        self.restarts = Gauge("mlxserve_runner_restarts", "Runner restarts since the supervisor started",
+                              ["model"], registry=r)
+        self.serving = Gauge("mlxserve_runner_serving", "1 while the model's runner serves", ["model"], registry=r)
+        self.requests = Counter("mlxserve_requests", "Generate requests by final status", ["model", "code"], registry=r)
+        self.tokens = Counter("mlxserve_generated_tokens", "Tokens generated", ["model"], registry=r)
+        self.acceptance = Gauge("mlxserve_acceptance_rate", "Draft acceptance of the last request", ["model"], registry=r)
+        self.ttft = Histogram("mlxserve_time_to_first_token_seconds", "Time to first token", ["model"], registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ProbeServer:
+    def __init__(self, port: int, metrics: Metrics, ready, host: str = "127.0.0.1"):
+        metrics_, ready_ = metrics, ready
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path == "/healthz":
+                    self._send(200, b"ok\n")
+                elif self.path == "/readyz":
+                    ok, detail = ready_()
+                    self._send(200 if ok else 503, (detail + "\n").encode())
+                elif self.path == "/metrics":
+                    self._send(200, metrics_.render(), CONTENT_TYPE_LATEST)
+                else:
+                    self._send(404, b"not found\n")
+
+            def _send(self, code, body, content_type="text/plain; charset=utf-8"):
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="probes", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for the public service (proto/supervisor.proto). Do not edit."""

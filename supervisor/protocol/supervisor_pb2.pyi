@@ -1,0 +1,170 @@
+from runner.protocol import runner_pb2 as _runner_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RunnerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUNNER_STATE_UNSPECIFIED: _ClassVar[RunnerState]
+    RUNNER_STATE_STOPPED: _ClassVar[RunnerState]
+    RUNNER_STATE_STARTING: _ClassVar[RunnerState]
+    RUNNER_STATE_SERVING: _ClassVar[RunnerState]
+    RUNNER_STATE_DRAINING: _ClassVar[RunnerState]
+    RUNNER_STATE_BACKOFF: _ClassVar[RunnerState]
+    RUNNER_STATE_FAILED: _ClassVar[RunnerState]
+RUNNER_STATE_UNSPECIFIED: RunnerState
+RUNNER_STATE_STOPPED: RunnerState
+RUNNER_STATE_STARTING: RunnerState
+RUNNER_STATE_SERVING: RunnerState
+RUNNER_STATE_DRAINING: RunnerState
+RUNNER_STATE_BACKOFF: RunnerState
+RUNNER_STATE_FAILED: RunnerState
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "prompt_ids", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "num_draft_tokens", "request_id", "ignore_eos", "model")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    num_draft_tokens: int
+    request_id: str
+    ignore_eos: bool
+    model: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+
+class MemorySample(_message.Message):
+    __slots__ = ("rss", "anonymous", "pss", "uss", "peak_rss", "growth_bytes_per_s", "mlx_active", "mlx_cache", "mlx_peak", "mlx_releases", "soft_limit", "hard_limit", "history_samples")
+    RSS_FIELD_NUMBER: _ClassVar[int]
+    ANONYMOUS_FIELD_NUMBER: _ClassVar[int]
+    PSS_FIELD_NUMBER: _ClassVar[int]
+    USS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MLX_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    MLX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    MLX_PEAK_FIELD_NUMBER: _ClassVar[int]
+    MLX_RELEASES_FIELD_NUMBER: _ClassVar[int]
+    SOFT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    HARD_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    rss: int
+    anonymous: int
+    pss: int
+    uss: int
+    peak_rss: int
+    growth_bytes_per_s: float
+    mlx_active: int
+    mlx_cache: int
+    mlx_peak: int
+    mlx_releases: int
+    soft_limit: int
+    hard_limit: int
+    history_samples: int
+    def __init__(self, rss: _Optional[int] = ..., anonymous: _Optional[int] = ..., pss: _Optional[int] = ..., uss: _Optional[int] = ..., peak_rss: _Optional[int] = ..., growth_bytes_per_s: _Optional[float] = ..., mlx_active: _Optional[int] = ..., mlx_cache: _Optional[int] = ..., mlx_peak: _Optional[int] = ..., mlx_releases: _Optional[int] = ..., soft_limit: _Optional[int] = ..., hard_limit: _Optional[int] = ..., history_samples: _Optional[int] = ...) -> None: ...
+
+class ModelStatus(_message.Message):
+    __slots__ = ("name", "state", "reason", "pid", "restarts", "last_used_s_ago", "memory", "target", "draft", "in_flight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: RunnerState
+    reason: str
+    pid: int
+    restarts: int
+    last_used_s_ago: float
+    memory: MemorySample
+    target: str
+    draft: str
+    in_flight: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[RunnerState, str]] = ..., reason: _Optional[str] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., last_used_s_ago: _Optional[float] = ..., memory: _Optional[_Union[MemorySample, _Mapping]] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class UnloadModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class GetMemoryRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class GetMemoryResponse(_message.Message):
+    __slots__ = ("models", "system_available", "system_total", "supervisor_rss")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SUPERVISOR_RSS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
+    system_available: int
+    system_total: int
+    supervisor_rss: int
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., system_available: _Optional[int] = ..., system_total: _Optional[int] = ..., supervisor_rss: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("version", "pid", "uptime_s", "ready", "models", "max_loaded")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOADED_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    pid: int
+    uptime_s: float
+    ready: bool
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
+    max_loaded: int
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., max_loaded: _Optional[int] = ...) -> None: ...

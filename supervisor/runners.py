@@ -1,0 +1,320 @@
+"""Process supervision: one runner child per model, with named states.
+
+    STOPPED --load--> STARTING --health SERVING--> SERVING --unload/evict/keep-alive--> DRAINING --> STOPPED
+                         |                           |
+                         +--exits / start timeout----+--dies / hangs--> BACKOFF --> STARTING ...
+                                                                            \\--too many failures--> FAILED
+
+Each ManagedRunner has one thread that spawns its child, waits for it and
+restarts it, so the child is always started from a thread that outlives it
+(the runner's PR_SET_PDEATHSIG watches the spawning thread, not the process).
+The same thread checks health on a period: a runner that misses several
+checks is killed and restarted like one that died.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from runner.client import RunnerClient
+from runner.cpu_blas import fast_blas_environment
+
+from .config import ModelConfig, SupervisorConfig
+
+log = logging.getLogger("supervisor")
+STDERR_TAIL_LINES = 40
+
+
+class State(enum.Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    BACKOFF = "backoff"
+    FAILED = "failed"
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+class ManagedRunner:
+    def __init__(self, model: ModelConfig, config: SupervisorConfig, on_change=lambda runner: None):
+        self.model = model
+        self.name = model.name
+        self.config = config
+        self.socket = config.runtime_dir / f"{model.name}.sock"
+        self.address = f"unix://{self.socket}"
+        self._on_change = on_change
+        self._cond = threading.Condition()
+        self.state = State.STOPPED
+        self.reason = "not loaded"
+        self.process: subprocess.Popen | None = None
+        self.client: RunnerClient | None = None
+        self.restarts = 0
+        self.failures = 0  # consecutive, reset after a stable period
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.last_used = time.monotonic()
+        self.in_flight = 0
+        self._calls: set = set()
+        self._wanted = False
+        self._restart_reason: str | None = None
+        self._stop_reason = "stopped"
+        self.client_failure: tuple[grpc.StatusCode, str] | None = None  # what in-flight streams get
+        self.exited = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- state ---------------------------------------------------------------
+
+    def _set(self, state: State, reason: str) -> None:
+        with self._cond:
+            changed = (state, reason) != (self.state, self.reason)
+            self.state, self.reason = state, reason
+            self._cond.notify_all()
+        if changed:
+            log.info("model %s: %s (%s)", self.name, state.value, reason)
+            self._on_change(self)
+
+    @property
+    def pid(self) -> int:
+        process = self.process
+        return process.pid if process is not None and process.poll() is None else 0
+
+    @property
+    def active(self) -> bool:
+        """Holds (or is about to hold) a process."""
+        return self.state in (State.STARTING, State.SERVING, State.DRAINING, State.BACKOFF)
+
+    def stderr_summary(self, lines: int = 5) -> str:
+        tail = [line for line in self.stderr_tail if line.strip()][-lines:]
+        return " | ".join(tail)
+
+    # -- requests from the scheduler, service and memory watch ---------------
+
+    def start(self) -> None:
+        with self._cond:
+            if self.state == State.FAILED:
+                self.failures = 0
+            self._wanted = True
+            self._cond.notify_all()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._supervise, name=f"runner-{self.name}", daemon=True)
+                self._thread.start()
+
+    def wait_serving(self, timeout: float) -> State:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.state not in (State.SERVING, State.FAILED, State.STOPPED) and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            return self.state
+
+    def stop(self, reason: str) -> None:
+        with self._cond:
+            self._wanted = False
+            self._stop_reason = reason
+            self._cond.notify_all()
+
+    def join(self, timeout: float) -> None:
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def restart(self, reason: str, client_status: grpc.StatusCode, client_message: str) -> None:
+        """Drain and restart (memory policy): in-flight streams end with ``client_status``."""
+        with self._cond:
+            if self.state != State.SERVING:
+                return
+            self.client_failure = (client_status, client_message)
+            self._restart_reason = reason
+            calls = list(self._calls)
+            self._cond.notify_all()
+        for call in calls:
+            call.cancel()
+
+    def track(self, call) -> None:
+        with self._cond:
+            self._calls.add(call)
+            self.in_flight = len(self._calls)
+
+    def untrack(self, call) -> None:
+        with self._cond:
+            self._calls.discard(call)
+            self.in_flight = len(self._calls)
+            self.last_used = time.monotonic()
+
+    # -- the supervising thread -----------------------------------------------
+
+    def _supervise(self) -> None:
+        backoff = self.config.restart_backoff
+        while True:
+            with self._cond:
+                if not self._wanted:
+                    break
+            started = time.monotonic()
+            outcome = self._run_once()
+            if outcome == "stopped":
+                break
+            if outcome == "restart":
+                self.restarts += 1
+                continue
+            # The runner died, hung or never came up.
+            self.restarts += 1
+            if time.monotonic() - started > self.config.stable_after:
+                self.failures, backoff = 0, self.config.restart_backoff
+            self.failures += 1
+            if self.failures > self.config.max_restarts:
+                with self._cond:
+                    self._wanted = False
+                self._set(State.FAILED, f"gave up after {self.failures} failures; last: {outcome}")
+                return
+            self._set(State.BACKOFF, f"{outcome}; restarting in {backoff:.0f} s")
+            with self._cond:
+                self._cond.wait_for(lambda: not self._wanted, timeout=backoff)
+            backoff = min(backoff * 2, self.config.restart_backoff_cap)
+        self._set(State.STOPPED, self._stop_reason)
+
+    def _run_once(self) -> str:
+        """Start one child and follow it to its end: 'stopped', 'restart' or a failure description."""
+        self.client_failure = None
+        self.exited.clear()
+        try:
+            self.process = self._spawn()
+        except OSError as error:
+            return f"cannot start: {error}"
+        self.client = RunnerClient(self.address)
+        self._set(State.STARTING, f"pid {self.process.pid}")
+        try:
+            failure = self._wait_until_serving()
+            if failure is not None:
+                self._kill()
+                return failure
+            self._set(State.SERVING, f"pid {self.process.pid}")
+            return self._watch()
+        finally:
+            self._reap()
+
+    def _spawn(self) -> subprocess.Popen:
+        m = self.model
+        args = [sys.executable, "-m", "runner", "--name", m.name, "--target", str(m.target),
+                "--listen", self.address, "--num-draft-tokens", str(m.num_draft_tokens),
+                "--release-interval", str(m.release_interval), "--cache-limit", str(m.cache_limit),
+                "--max-queue", str(m.max_queue), "--grace", str(self.config.drain_grace),
+                "--parent-pid", str(os.getpid())]
+        if m.draft is not None:
+            args += ["--draft", str(m.draft)]
+        if not m.release_enabled:
+            args.append("--no-release")
+        if m.debug_rpcs:
+            args.append("--debug-rpcs")
+        self.stderr_tail.clear()
+        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, env=fast_blas_environment(),
+                                   start_new_session=True, text=True, errors="replace")
+        threading.Thread(target=self._forward_stderr, args=(process,), name=f"stderr-{m.name}", daemon=True).start()
+        return process
+
+    def _forward_stderr(self, process: subprocess.Popen) -> None:
+        for line in process.stderr:
+            line = line.rstrip("\n")
+            self.stderr_tail.append(line)
+            log.info("[%s] %s", self.name, line)
+
+    def _died(self) -> str:
+        code = self.process.wait()
+        time.sleep(0.05)  # let the stderr reader catch the last lines
+        detail = self.stderr_summary()
+        return f"runner {describe_exit(code)}" + (f": {detail}" if detail else "")
+
+    def _wait_until_serving(self) -> str | None:
+        deadline = time.monotonic() + self.config.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return self._died()
+            with self._cond:
+                if not self._wanted:
+                    return None
+            if self.client.health_status(timeout=0.5) == 1:  # SERVING
+                return None
+            time.sleep(0.05)
+        return f"runner not serving after {self.config.startup_timeout:.0f} s"
+
+    def _watch(self) -> str:
+        """While SERVING: wait for exit, a stop or restart request, or missed health checks."""
+        misses = 0
+        next_check = time.monotonic() + self.config.health_period
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._wanted or self._restart_reason is not None, timeout=0.05)
+                wanted, restart_reason = self._wanted, self._restart_reason
+                self._restart_reason = None
+            if self.process.poll() is not None:
+                cause = self._died()
+                self.client_failure = self.client_failure or (grpc.StatusCode.UNAVAILABLE, f"model {self.name}: {cause}")
+                self.exited.set()
+                return cause
+            if not wanted:
+                self._drain(self._stop_reason)
+                return "stopped"
+            if restart_reason is not None:
+                self._drain(restart_reason)
+                return "restart"
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.config.health_period
+                if self.client.health_status(timeout=self.config.health_deadline) == 1:
+                    misses = 0
+                    continue
+                if self.process.poll() is not None:
+                    continue
+                misses += 1
+                if misses >= self.config.health_misses:
+                    cause = f"runner hung: missed {misses} health checks of {self.config.health_deadline:.1f} s"
+                    self.client_failure = (grpc.StatusCode.UNAVAILABLE, f"model {self.name}: {cause}")
+                    self._kill()
+                    self.exited.set()
+                    return cause
+
+    def _drain(self, reason: str) -> None:
+        """SIGTERM: the runner finishes in-flight work within its grace; SIGKILL after that."""
+        self._set(State.DRAINING, reason)
+        self._signal(signal.SIGTERM)
+        try:
+            self.process.wait(self.config.drain_grace + self.config.kill_timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("model %s: runner did not stop in time: SIGKILL", self.name)
+            self._kill()
+        self.exited.set()
+
+    def _signal(self, signum) -> None:
+        try:
+            os.killpg(self.process.pid, signum)  # its own process group: the whole tree
+        except ProcessLookupError:
+            pass
+
+    def _kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self._signal(signal.SIGKILL)
+            self.process.wait()
+
+    def _reap(self) -> None:
+        if self.process is not None:
+            self._kill()
+            self.process.wait()
+        if self.client is not None:
+            self.client.close()
+        Path(self.socket).unlink(missing_ok=True)

@@ -1,0 +1,121 @@
+"""Which runners are alive: load on demand, LRU eviction, keep-alive unloading.
+
+A request ``acquire``s its model: a stopped model is started (after the
+memory admission check, and after evicting the least recently used idle
+runner if ``max_loaded`` are already alive), the request waits while it
+loads, and the runner counts it as in flight until the request ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import grpc
+
+from .config import SupervisorConfig
+from .memory import AdmissionRefused, admit
+from .runners import ManagedRunner, State
+
+log = logging.getLogger("supervisor")
+
+
+class ServiceError(Exception):
+    """An error with the gRPC status the public API answers with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Scheduler:
+    def __init__(self, config: SupervisorConfig, on_change=lambda runner: None):
+        self.config = config
+        self.runners = {name: ManagedRunner(model, config, on_change) for name, model in config.models.items()}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._expire_idle, name="keep-alive", daemon=True)
+
+    def start(self) -> None:
+        for runner in self.runners.values():
+            if runner.model.load_at_start:
+                with contextlib.suppress(ServiceError):
+                    self.load(runner.name, wait=False)
+        self._reaper.start()
+
+    def runner(self, name: str) -> ManagedRunner:
+        if name not in self.runners:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"no model named {name!r}; configured: {', '.join(sorted(self.runners))}")
+        return self.runners[name]
+
+    def load(self, name: str, wait: bool = True, timeout: float | None = None) -> ManagedRunner:
+        runner = self.runner(name)
+        with self._lock:
+            if not runner.active:
+                self._make_room(runner)
+                try:
+                    admit(runner.model)
+                except AdmissionRefused as error:
+                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
+                runner.start()
+        if wait:
+            state = runner.wait_serving(timeout if timeout is not None else self.config.startup_timeout)
+            if state != State.SERVING:
+                self._raise_for(runner)
+        return runner
+
+    def _raise_for(self, runner: ManagedRunner) -> None:
+        if runner.state == State.FAILED:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"model {runner.name} failed: {runner.reason}")
+        raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"model {runner.name} is {runner.state.value}: {runner.reason}")
+
+    def _make_room(self, incoming: ManagedRunner) -> None:
+        alive = [r for r in self.runners.values() if r.active and r is not incoming]
+        if len(alive) < self.config.loaded_cap:
+            return
+        idle = sorted((r for r in alive if r.in_flight == 0 and r.state == State.SERVING), key=lambda r: r.last_used)
+        if not idle:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{len(alive)} runners are loaded (max_loaded) and none is idle")
+        victim = idle[0]
+        log.info("model %s: evicted (least recently used) to load %s", victim.name, incoming.name)
+        victim.stop(f"evicted to load {incoming.name}")
+
+    def unload(self, name: str, reason: str = "unloaded on request") -> ManagedRunner:
+        runner = self.runner(name)
+        runner.stop(reason)
+        runner.join(self.config.drain_grace + self.config.kill_timeout + 5)
+        return runner
+
+    @contextlib.contextmanager
+    def acquire(self, name: str, timeout: float | None):
+        runner = self.runner(name)
+        if runner.state == State.FAILED:
+            self._raise_for(runner)
+        runner = self.load(name, wait=True, timeout=timeout)
+        runner.last_used = time.monotonic()
+        yield runner
+
+    def _expire_idle(self) -> None:
+        while not self._stop.wait(0.5):
+            now = time.monotonic()
+            for runner in self.runners.values():
+                keep_alive = runner.model.keep_alive
+                if (keep_alive and runner.state == State.SERVING and runner.in_flight == 0
+                        and now - runner.last_used > keep_alive):
+                    runner.stop(f"idle for {keep_alive:.0f} s (keep_alive)")
+
+    def stop_all(self) -> None:
+        self._stop.set()
+        for runner in self.runners.values():
+            runner.stop("supervisor shutting down")
+        for runner in self.runners.values():
+            runner.join(self.config.drain_grace + self.config.kill_timeout + 5)
+
+    @property
+    def ready(self) -> bool:
+        return all(r.state == State.SERVING for r in self.runners.values() if r.model.load_at_start)

@@ -1,0 +1,260 @@
+"""The public gRPC API (proto/supervisor.proto) and the supervisor's wiring and shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import psutil
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from runner import __version__
+from runner.protocol import runner_pb2
+from runner.server import CHANNEL_OPTIONS
+
+from .config import SupervisorConfig
+from .memory import MemoryWatch, RunnerMemory
+from .probes import Metrics, ProbeServer
+from .protocol import supervisor_pb2, supervisor_pb2_grpc
+from .runners import ManagedRunner, State
+from .scheduler import Scheduler, ServiceError
+
+log = logging.getLogger("supervisor")
+
+SERVICE_NAME = supervisor_pb2.DESCRIPTOR.services_by_name["Supervisor"].full_name
+STATES = {s: getattr(supervisor_pb2, f"RUNNER_STATE_{s.name}") for s in State}
+# Runner answers passed through unchanged: they are about the request, not the runner.
+PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.PERMISSION_DENIED}
+
+
+class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
+    def __init__(self, supervisor: "Supervisor"):
+        self.sup = supervisor
+
+    def Generate(self, request, context):
+        sup = self.sup
+        name = request.model or (next(iter(sup.scheduler.runners)) if len(sup.scheduler.runners) == 1 else "")
+        code = "OK"
+        try:
+            with sup.scheduler.acquire(name, timeout=context.time_remaining()) as runner:
+                forwarded = runner_pb2.GenerateRequest.FromString(request.SerializeToString())
+                forwarded.DiscardUnknownFields()  # the model field; all others share their numbers
+                started = time.perf_counter()
+                call = runner.client.stub.Generate(forwarded, timeout=context.time_remaining())
+                runner.track(call)
+                context.add_callback(call.cancel)
+                first = True
+                try:
+                    for chunk in call:
+                        if first:
+                            sup.metrics.ttft.labels(name).observe(time.perf_counter() - started)
+                            first = False
+                        if chunk.HasField("stats"):
+                            sup.metrics.tokens.labels(name).inc(chunk.stats.generated_tokens)
+                            sup.metrics.acceptance.labels(name).set(chunk.stats.acceptance_rate)
+                        yield chunk
+                except grpc.RpcError as error:
+                    raise self._client_error(runner, error, context) from None
+                finally:
+                    runner.untrack(call)
+        except ServiceError as error:
+            code = error.code.name
+            if context.is_active():
+                context.abort(error.code, error.message)
+        finally:
+            if not context.is_active() and code == "OK":
+                code = "CANCELLED"
+            sup.metrics.requests.labels(name or "-", code).inc()
+
+    def _client_error(self, runner: ManagedRunner, error: grpc.RpcError, context) -> ServiceError:
+        code = error.code()
+        if code in PASSED_THROUGH:
+            return ServiceError(code, error.details())
+        if not context.is_active():
+            return ServiceError(grpc.StatusCode.CANCELLED, "client went away")
+        # The runner went away under the request: say which model and why.
+        runner.exited.wait(1.0)
+        if runner.client_failure is not None:
+            return ServiceError(*runner.client_failure)
+        return ServiceError(grpc.StatusCode.UNAVAILABLE, f"model {runner.name}: {error.details()}")
+
+    def ListModels(self, request, context):
+        return supervisor_pb2.ListModelsResponse(models=[self.sup.status(r) for r in self.sup.scheduler.runners.values()])
+
+    def LoadModel(self, request, context):
+        try:
+            runner = self.sup.scheduler.load(request.model, wait=True, timeout=context.time_remaining())
+        except ServiceError as error:
+            context.abort(error.code, error.message)
+        return self.sup.status(runner)
+
+    def UnloadModel(self, request, context):
+        try:
+            runner = self.sup.scheduler.unload(request.model)
+        except ServiceError as error:
+            context.abort(error.code, error.message)
+        return self.sup.status(runner)
+
+    def GetMemory(self, request, context):
+        runners = self.sup.scheduler.runners
+        if request.model:
+            try:
+                selected = [self.sup.scheduler.runner(request.model)]
+            except ServiceError as error:
+                context.abort(error.code, error.message)
+        else:
+            selected = list(runners.values())
+        vm = psutil.virtual_memory()
+        return supervisor_pb2.GetMemoryResponse(
+            models=[self.sup.status(r) for r in selected], system_available=vm.available, system_total=vm.total,
+            supervisor_rss=psutil.Process().memory_info().rss)
+
+    def GetStatus(self, request, context):
+        sup = self.sup
+        return supervisor_pb2.GetStatusResponse(
+            version=__version__, pid=os.getpid(), uptime_s=time.monotonic() - sup.started, ready=sup.scheduler.ready,
+            models=[sup.status(r) for r in sup.scheduler.runners.values()], max_loaded=sup.config.loaded_cap)
+
+
+class BearerToken(grpc.ServerInterceptor):
+    """Every RPC but health needs ``authorization: Bearer TOKEN`` when a token is configured."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}"
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(details)
+        if dict(details.invocation_metadata).get("authorization") == self.expected:
+            return continuation(details)
+        return self._deny_stream if details.method.endswith("/Generate") else self._deny
+
+
+class Supervisor:
+    def __init__(self, config: SupervisorConfig):
+        self.config = config
+        self.started = time.monotonic()
+        self.metrics = Metrics()
+        self.health = health.HealthServicer()
+        prepare_runtime_dir(config.runtime_dir)
+        self.scheduler = Scheduler(config, on_change=self._on_runner_change)
+        self.memory = MemoryWatch(self.scheduler.runners, config.memory_period, on_sample=self._on_memory)
+        interceptors = [BearerToken(config.auth_token)] if config.auth_token else []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="public"),
+                                  options=CHANNEL_OPTIONS, interceptors=interceptors, maximum_concurrent_rpcs=256)
+        supervisor_pb2_grpc.add_SupervisorServicer_to_server(SupervisorService(self), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        for name in ("", SERVICE_NAME, *config.models):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if config.tls_cert:
+            credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+            port = self.server.add_secure_port(config.listen, credentials)
+        else:
+            port = self.server.add_insecure_port(config.listen)
+        if port == 0 and not config.listen.startswith("unix:"):
+            raise OSError(f"cannot listen on {config.listen}")
+        self.port = port
+        self.probes = ProbeServer(config.probe_port, self.metrics, self._readiness) if config.probe_port else None
+        self._stopped = threading.Event()
+
+    # -- state reporting ------------------------------------------------------
+
+    def _on_runner_change(self, runner: ManagedRunner) -> None:
+        serving = runner.state == State.SERVING
+        self.health.set(runner.name, health_pb2.HealthCheckResponse.SERVING if serving
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.metrics.serving.labels(runner.name).set(1 if serving else 0)
+        self.metrics.restarts.labels(runner.name).set(runner.restarts)
+        if not self._stopped.is_set():
+            overall = health_pb2.HealthCheckResponse.SERVING if self.scheduler.ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                self.health.set(name, overall)
+
+    def _on_memory(self, name: str, memory: RunnerMemory) -> None:
+        m, s = self.metrics, memory.current
+        m.rss.labels(name).set(s.rss)
+        m.anonymous.labels(name).set(s.anonymous)
+        m.mlx_cache.labels(name).set(memory.mlx.cache)
+        m.mlx_active.labels(name).set(memory.mlx.active)
+        m.releases.labels(name).set(memory.mlx.releases)
+        m.soft_releases.labels(name).set(memory.soft_releases)
+
+    def _readiness(self) -> tuple[bool, str]:
+        states = ", ".join(f"{r.name}={r.state.value}" for r in self.scheduler.runners.values())
+        return self.scheduler.ready, ("ready: " if self.scheduler.ready else "not ready: ") + states
+
+    def status(self, runner: ManagedRunner) -> supervisor_pb2.ModelStatus:
+        memory = self.memory.memory[runner.name]
+        current = memory.current
+        sample = supervisor_pb2.MemorySample(
+            peak_rss=memory.peak_rss, growth_bytes_per_s=memory.growth_rate, mlx_active=memory.mlx.active,
+            mlx_cache=memory.mlx.cache, mlx_peak=memory.mlx.peak, mlx_releases=memory.mlx.releases,
+            soft_limit=runner.model.soft_limit, hard_limit=runner.model.hard_limit, history_samples=len(memory.history))
+        if current is not None and runner.pid:
+            sample.rss, sample.anonymous, sample.pss, sample.uss = current.rss, current.anonymous, current.pss, current.uss
+        return supervisor_pb2.ModelStatus(
+            name=runner.name, state=STATES[runner.state], reason=runner.reason, pid=runner.pid,
+            restarts=runner.restarts, last_used_s_ago=time.monotonic() - runner.last_used, memory=sample,
+            target=str(runner.model.target), draft=str(runner.model.draft or ""), in_flight=runner.in_flight)
+
+    # -- life cycle -------------------------------------------------------------
+
+    def start(self) -> None:
+        self.server.start()
+        if self.probes:
+            self.probes.start()
+        self.memory.start()
+        self.scheduler.start()
+        log.info("supervisor %d listening on %s (probes on %s), models: %s", os.getpid(), self.config.listen,
+                 self.probes.port if self.probes else "off", ", ".join(self.config.models))
+
+    def shutdown(self) -> None:
+        """Stop accepting, drain in-flight work, stop every runner, reap them all, remove the sockets."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        log.info("shutting down")
+        self.health.enter_graceful_shutdown()
+        done = self.server.stop(self.config.drain_grace)
+        self.scheduler.stop_all()
+        done.wait(self.config.drain_grace + 1)
+        self.memory.stop()
+        if self.probes:
+            self.probes.stop()
+        for socket in self.config.runtime_dir.glob("*.sock"):
+            socket.unlink(missing_ok=True)
+        log.info("stopped")
+
+    def serve_until(self, stop: threading.Event) -> None:
+        while not stop.wait(0.5):
+            pass
+        self.shutdown()
+
+
+def prepare_runtime_dir(path) -> None:
+    """Owner-only folder for runner sockets; stale sockets from a killed supervisor are removed."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if path.stat().st_uid != os.getuid():
+            raise OSError(f"{path} belongs to another user")
+        os.chmod(path, 0o700)
+        probe = path / ".write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        raise OSError(f"runtime_dir {path} is not usable: {error}") from None
+    for stale in path.glob("*.sock"):
+        stale.unlink(missing_ok=True)
