@@ -103,11 +103,12 @@ def main(argv=None) -> int:
     from .errors import ModelLoadError
     from .server import RunnerServer, RunnerService
 
-    stopping = threading.Event()
+    stopping = threading.Event()  # set by threads (engine failure)
+    signalled = []  # set by signal handlers: no locks there, a handler can interrupt a lock holder
     exit_code = [0]
 
     def on_signal(signum, frame):
-        stopping.set()
+        signalled.append(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -142,14 +143,14 @@ def main(argv=None) -> int:
         exit_code[0] = EXIT_ENGINE_FAILURE
         stopping.set()
 
-    if stopping.is_set():
+    if signalled:
         server.shutdown(0)
         return 0
     server.attach(engine, on_fatal)
     log.info("serving %s after %.2f s (k=%d, release every %d tokens%s, cache limit %d)",
              args.name, time.perf_counter() - started, settings.num_draft_tokens if engine.draft else 0,
              settings.release_interval, "" if settings.release_enabled else " DISABLED", engine.cache_limit)
-    while not stopping.wait(0.5):
+    while not (signalled or stopping.wait(0.1)):
         pass
     log.info("stopping (grace %.1f s)", args.grace)
     server.shutdown(args.grace if exit_code[0] == 0 else 1.0)

@@ -6,7 +6,6 @@ import argparse
 import logging
 import signal
 import sys
-import threading
 
 import grpc
 
@@ -25,9 +24,11 @@ def serve(args) -> int:
         return 2
     from .service import Supervisor
 
-    stop = threading.Event()  # handlers first: a SIGTERM during start-up still shuts down cleanly
+    # Handlers first, so a SIGTERM during start-up still shuts down cleanly. They only
+    # append to a list: taking a lock in a handler can deadlock the thread it interrupted.
+    signalled: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, lambda signum, frame: signalled.append(signum))
     try:
         supervisor = Supervisor(config)
         supervisor.start()
@@ -37,7 +38,7 @@ def serve(args) -> int:
     if args.sample_request and supervisor.scheduler.runners[next(iter(config.models))].wait_serving(
             config.startup_timeout).name == "SERVING":
         answer_sample_request(config.listen, next(iter(config.models)))
-    supervisor.serve_until(stop)
+    supervisor.serve_until(lambda: bool(signalled))
     return 0
 
 

@@ -76,7 +76,7 @@ class ManagedRunner:
         self._wanted = False
         self._restart_reason: str | None = None
         self._stop_reason = "stopped"
-        self.client_failure: tuple[grpc.StatusCode, str] | None = None  # what in-flight streams get
+        self._call_failures: dict = {}  # in-flight call -> (status, message) it ends with
         self.exited = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -113,9 +113,11 @@ class ManagedRunner:
                 self.failures = 0
             self._wanted = True
             self._cond.notify_all()
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._supervise, name=f"runner-{self.name}", daemon=True)
-                self._thread.start()
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._thread = threading.Thread(target=self._supervise, name=f"runner-{self.name}", daemon=True)
+        self._set(State.STARTING, "starting")  # before the thread runs: waiters must not see STOPPED
+        self._thread.start()
 
     def wait_serving(self, timeout: float) -> State:
         deadline = time.monotonic() + timeout
@@ -140,12 +142,23 @@ class ManagedRunner:
         with self._cond:
             if self.state != State.SERVING:
                 return
-            self.client_failure = (client_status, client_message)
             self._restart_reason = reason
-            calls = list(self._calls)
             self._cond.notify_all()
-        for call in calls:
-            call.cancel()
+        self._fail_calls(client_status, client_message, cancel=True)
+
+    def _fail_calls(self, status: grpc.StatusCode, message: str, cancel: bool = False) -> None:
+        """Record why every in-flight stream ends, before it sees its error."""
+        with self._cond:
+            calls = list(self._calls)
+            for call in calls:
+                self._call_failures.setdefault(call, (status, message))
+        if cancel:
+            for call in calls:
+                call.cancel()
+
+    def failure_for(self, call) -> tuple[grpc.StatusCode, str] | None:
+        with self._cond:
+            return self._call_failures.get(call)
 
     def track(self, call) -> None:
         with self._cond:
@@ -155,6 +168,7 @@ class ManagedRunner:
     def untrack(self, call) -> None:
         with self._cond:
             self._calls.discard(call)
+            self._call_failures.pop(call, None)
             self.in_flight = len(self._calls)
             self.last_used = time.monotonic()
 
@@ -191,7 +205,6 @@ class ManagedRunner:
 
     def _run_once(self) -> str:
         """Start one child and follow it to its end: 'stopped', 'restart' or a failure description."""
-        self.client_failure = None
         self.exited.clear()
         try:
             self.process = self._spawn()
@@ -265,7 +278,7 @@ class ManagedRunner:
                 self._restart_reason = None
             if self.process.poll() is not None:
                 cause = self._died()
-                self.client_failure = self.client_failure or (grpc.StatusCode.UNAVAILABLE, f"model {self.name}: {cause}")
+                self._fail_calls(grpc.StatusCode.UNAVAILABLE, f"model {self.name}: {cause}")
                 self.exited.set()
                 return cause
             if not wanted:
@@ -284,7 +297,7 @@ class ManagedRunner:
                 misses += 1
                 if misses >= self.config.health_misses:
                     cause = f"runner hung: missed {misses} health checks of {self.config.health_deadline:.1f} s"
-                    self.client_failure = (grpc.StatusCode.UNAVAILABLE, f"model {self.name}: {cause}")
+                    self._fail_calls(grpc.StatusCode.UNAVAILABLE, f"model {self.name}: {cause}")
                     self._kill()
                     self.exited.set()
                     return cause

@@ -60,7 +60,7 @@ class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
                             sup.metrics.acceptance.labels(name).set(chunk.stats.acceptance_rate)
                         yield chunk
                 except grpc.RpcError as error:
-                    raise self._client_error(runner, error, context) from None
+                    raise self._client_error(runner, call, error, context) from None
                 finally:
                     runner.untrack(call)
         except ServiceError as error:
@@ -72,16 +72,18 @@ class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
                 code = "CANCELLED"
             sup.metrics.requests.labels(name or "-", code).inc()
 
-    def _client_error(self, runner: ManagedRunner, error: grpc.RpcError, context) -> ServiceError:
+    def _client_error(self, runner: ManagedRunner, call, error: grpc.RpcError, context) -> ServiceError:
         code = error.code()
-        if code in PASSED_THROUGH:
+        if runner.failure_for(call) is None and code in PASSED_THROUGH:
             return ServiceError(code, error.details())
         if not context.is_active():
             return ServiceError(grpc.StatusCode.CANCELLED, "client went away")
         # The runner went away under the request: say which model and why.
-        runner.exited.wait(1.0)
-        if runner.client_failure is not None:
-            return ServiceError(*runner.client_failure)
+        if runner.failure_for(call) is None:
+            runner.exited.wait(1.0)
+        failure = runner.failure_for(call)
+        if failure is not None:
+            return ServiceError(*failure)
         return ServiceError(grpc.StatusCode.UNAVAILABLE, f"model {runner.name}: {error.details()}")
 
     def ListModels(self, request, context):
@@ -238,9 +240,9 @@ class Supervisor:
             socket.unlink(missing_ok=True)
         log.info("stopped")
 
-    def serve_until(self, stop: threading.Event) -> None:
-        while not stop.wait(0.5):
-            pass
+    def serve_until(self, should_stop) -> None:
+        while not should_stop():
+            time.sleep(0.1)
         self.shutdown()
 
 

@@ -64,3 +64,77 @@ def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SupervisorProcess:
+    """``python -m supervisor serve`` on a TOML config written into ``folder``."""
+
+    def __init__(self, folder: Path, models_toml: str, **settings):
+        from supervisor.client import SupervisorClient
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.port, self.probe_port = free_port(), free_port()
+        self.runtime_dir = folder / "run"
+        top = {"listen": f"127.0.0.1:{self.port}", "probe_port": self.probe_port,
+               "runtime_dir": str(self.runtime_dir), "health_period": "0.5s", "restart_backoff": "0.3s",
+               "memory_period": "0.3s", **settings}
+        lines = [f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
+                 for k, v in top.items()]
+        self.config = folder / "supervisor.toml"
+        self.config.write_text("\n".join(lines) + "\n" + models_toml.replace("'", '"'))
+        self.stderr_path = folder / f"supervisor-{time.monotonic_ns()}.stderr"
+        self.process = subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "--config", str(self.config)],
+                                        stderr=open(self.stderr_path, "w"), env=child_environment())
+        self.client = SupervisorClient(f"127.0.0.1:{self.port}")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def wait_ready(self, timeout: float = 90) -> "SupervisorProcess":
+        if not self.client.wait_serving(timeout):
+            raise AssertionError(f"supervisor not ready (exit {self.process.poll()}):\n{self.stderr[-3000:]}")
+        return self
+
+    def runner_pids(self) -> list[int]:
+        import psutil
+
+        return [c.pid for c in psutil.Process(self.process.pid).children()]
+
+    def probe(self, path: str) -> tuple[int, str]:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.probe_port}{path}", timeout=5) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.client.close()
+        return self.process.returncode
+
+
+def model_toml(name: str, target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, **settings) -> str:
+    lines = [f"[models.{name}]", f"target = '{target}'"]
+    if draft is not None:
+        lines.append(f"draft = '{draft}'")
+    for key, value in settings.items():
+        lines.append(f"{key} = {str(value).lower() if isinstance(value, bool) else repr(value)}")
+    return "\n".join(lines) + "\n"

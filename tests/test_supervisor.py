@@ -1,0 +1,199 @@
+"""The real supervisor with real runners: serving, crashes, probes, shutdown."""
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2
+
+from supervisor.protocol import supervisor_pb2
+from tests.processes import SupervisorProcess, model_toml, wait_until
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+PROMPT = "The for statement is used to iterate over the elements of a sequence"
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    sup = SupervisorProcess(tmp_path_factory.mktemp("two"), model_toml("alpha") + model_toml("beta")).wait_ready()
+    yield sup
+    assert sup.stop() == 0
+
+
+def generate(sup, **fields):
+    chunks = list(sup.client.generate(timeout=120, **fields))
+    return "".join(c.text for c in chunks), chunks[-1]
+
+
+def test_both_models_generate_at_once_and_report_memory(two_models):
+    sup = two_models
+    results = {}
+
+    def run(model):
+        results[model] = generate(sup, model=model, prompt=PROMPT, max_tokens=300, ignore_eos=True)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in ("alpha", "beta")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results["alpha"][0] == results["beta"][0]  # same pair, greedy: same text
+    assert results["alpha"][1].stats.generated_tokens == 300
+    models = {m.name: m for m in sup.client.list_models().models}
+    assert {m.state for m in models.values()} == {supervisor_pb2.RUNNER_STATE_SERVING}
+    assert models["alpha"].pid != models["beta"].pid and models["alpha"].pid in sup.runner_pids()
+    # warm-up's release, the boundary at 256 and the end of the request, once the watch samples again
+    assert wait_until(lambda: all(m.memory.history_samples > 1 and m.memory.mlx_releases >= 3
+                                  for m in sup.client.get_memory().models), 10)
+    for m in sup.client.get_memory().models:
+        s = m.memory
+        assert s.rss > s.anonymous > s.mlx_active > 0
+        assert 50 * 2**20 < s.rss < 2 * 2**30 and s.peak_rss >= s.rss
+    status, body = sup.probe("/metrics")
+    assert status == 200 and 'mlxserve_runner_rss_bytes{model="alpha"}' in body
+    assert 'mlxserve_requests_total{code="OK",model="beta"}' in body
+    assert PROMPT not in body and results["alpha"][0][:40] not in body  # no prompts or outputs
+    assert sup.probe("/readyz")[0] == 200 and sup.probe("/healthz") == (200, "ok\n")
+    assert sup.client.health_status("alpha") == SERVING and sup.client.health_status("beta") == SERVING
+
+
+def test_unknown_model_and_bad_fields(two_models):
+    with pytest.raises(grpc.RpcError) as caught:
+        generate(two_models, model="gamma", prompt="x", max_tokens=3)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "gamma" in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        generate(two_models, model="alpha", prompt="x", max_tokens=3, top_p=3.0)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in caught.value.details()
+    assert generate(two_models, model="alpha", prompt="x", max_tokens=3, ignore_eos=True)[1].stats.generated_tokens == 3
+
+
+def test_runner_killed_mid_stream_gives_unavailable_and_is_restarted(two_models):
+    sup = two_models
+    victim = sup.client.model("alpha")
+    health_seen = []
+    watching = threading.Event()
+
+    def watch_health():
+        while not watching.is_set():
+            status = sup.client.health_status("alpha", timeout=0.5)
+            if not health_seen or health_seen[-1] != status:
+                health_seen.append(status)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    call = sup.client.generate(timeout=120, model="alpha", prompt=PROMPT, max_tokens=4000, ignore_eos=True)
+    next(call)
+    os.kill(victim.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        for _ in call:
+            pass
+    assert time.monotonic() - killed_at < 1.5
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "alpha" in caught.value.details() and "SIGKILL" in caught.value.details()
+    assert sup.client.wait_serving(60, service="alpha")
+    watching.set()
+    watcher.join()
+    assert SERVING in health_seen and health_pb2.HealthCheckResponse.NOT_SERVING in health_seen
+    assert health_seen.index(health_pb2.HealthCheckResponse.NOT_SERVING) < len(health_seen) - 1
+    restarted = sup.client.model("alpha")
+    assert restarted.pid != victim.pid and restarted.restarts == victim.restarts + 1
+    assert generate(sup, model="alpha", prompt="x", max_tokens=5, ignore_eos=True)[1].stats.generated_tokens == 5
+    assert sup.client.model("beta").restarts == 0
+
+
+def test_memory_limits_release_and_restart(tmp_path):
+    models = (model_toml("soft", soft_limit=1)  # always over: gets ReleaseMemory, never restarted for it
+              + model_toml("leaky", cache_limit="unbounded", release_enabled=False, hard_limit="300MiB"))
+    sup = SupervisorProcess(tmp_path, models).wait_ready()
+    try:
+        assert wait_until(lambda: sup.client.model("soft").memory.mlx_releases >= 3, 30)
+        assert "ReleaseMemory" not in sup.stderr and "over the soft limit" in sup.stderr
+        assert sup.client.model("soft").restarts == 0
+        before = sup.client.model("leaky")
+        with pytest.raises(grpc.RpcError) as caught:
+            generate(sup, model="leaky", prompt=PROMPT, max_tokens=6000, ignore_eos=True)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "hard limit of 300 MiB" in caught.value.details()
+        assert sup.client.wait_serving(60, service="leaky")
+        after = sup.client.model("leaky")
+        assert after.restarts == before.restarts + 1 and after.pid != before.pid
+        assert sup.probe("/metrics")[1].count('mlxserve_soft_limit_releases{model="soft"}') == 1
+    finally:
+        assert sup.stop() == 0
+
+
+def test_sigterm_drains_and_leaves_no_child(tmp_path):
+    sup = SupervisorProcess(tmp_path, model_toml("only")).wait_ready()
+    pids = sup.runner_pids()
+    assert len(pids) == 1
+    call = sup.client.generate(timeout=60, model="only", prompt="x", max_tokens=150, ignore_eos=True)
+    next(call)
+    sup.process.send_signal(signal.SIGTERM)
+    chunks = list(call)
+    assert chunks[-1].stats.generated_tokens == 150  # drained, not cut off
+    assert sup.process.wait(60) == 0
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    assert list(sup.runtime_dir.glob("*.sock")) == []
+
+
+def test_supervisor_killed_takes_its_runners_and_restarts_cleanly(tmp_path):
+    sup = SupervisorProcess(tmp_path, model_toml("only")).wait_ready()
+    runners = [psutil.Process(p) for p in sup.runner_pids()]
+    sup.process.kill()
+    sup.process.wait()
+    gone, alive = psutil.wait_procs(runners, timeout=10)
+    assert not alive, "a runner outlived the supervisor"
+    again = SupervisorProcess(tmp_path, model_toml("only")).wait_ready()  # same runtime_dir, stale socket
+    try:
+        assert generate(again, model="only", prompt="x", max_tokens=4, ignore_eos=True)[1].stats.generated_tokens == 4
+    finally:
+        assert again.stop() == 0
+
+
+def test_lru_eviction_and_keep_alive(tmp_path):
+    models = model_toml("first") + model_toml("second", load_at_start=False, keep_alive="2s")
+    sup = SupervisorProcess(tmp_path, models, max_loaded=1).wait_ready()
+    try:
+        assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_STOPPED
+        generate(sup, model="second", prompt="x", max_tokens=4)  # loads on first request, evicting "first"
+        first = sup.client.model("first")
+        assert first.state == supervisor_pb2.RUNNER_STATE_STOPPED and "evicted" in first.reason
+        assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_SERVING
+        assert wait_until(lambda: sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_STOPPED, 15)
+        assert "keep_alive" in sup.client.model("second").reason
+        loaded = sup.client.load_model("first")
+        assert loaded.state == supervisor_pb2.RUNNER_STATE_SERVING
+        unloaded = sup.client.unload_model("first")
+        assert unloaded.state == supervisor_pb2.RUNNER_STATE_STOPPED
+    finally:
+        assert sup.stop() == 0
+
+
+def test_runner_that_cannot_start_ends_failed_while_the_other_serves(tmp_path):
+    import shutil
+
+    from runner.defaults import DEFAULT_TARGET
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(DEFAULT_TARGET, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    models = model_toml("good") + model_toml("bad", target=broken, draft=None)
+    sup = SupervisorProcess(tmp_path / "sup", models, max_restarts=2)
+    try:
+        assert sup.client.wait_serving(60, service="good")  # overall health stays NOT_SERVING: "bad" never serves
+        assert wait_until(lambda: sup.client.model("bad").state == supervisor_pb2.RUNNER_STATE_FAILED, 60, interval=0.2)
+        bad = sup.client.model("bad")
+        assert "gave up after 3 failures" in bad.reason and str(broken) in bad.reason
+        with pytest.raises(grpc.RpcError) as caught:
+            generate(sup, model="bad", prompt="x", max_tokens=3)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION and str(broken) in caught.value.details()
+        assert generate(sup, model="good", prompt="x", max_tokens=3, ignore_eos=True)[1].stats.generated_tokens == 3
+        assert sup.probe("/readyz")[0] == 503
+    finally:
+        assert sup.stop() == 0
