@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
     p.add_argument("--max-queue", type=int, default=8, help="requests that may wait behind the running one")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight work gets after SIGTERM")
+    p.add_argument("--stall-after", type=float, default=30.0,
+                   help="health turns NOT_SERVING when the MLX thread makes no progress for this long")
     p.add_argument("--no-release", action="store_true", help="debug: never release the pool (shows the leak)")
     p.add_argument("--debug-rpcs", action="store_true", help="debug: enable DebugBlock")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (default: the parent)")
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
     try:
         if args.listen.startswith("unix:"):
             prepare_unix_socket(args.listen)
-        server = RunnerServer(RunnerService(args.name, args.debug_rpcs), args.listen, args.max_queue)
+        server = RunnerServer(RunnerService(args.name, args.debug_rpcs), args.listen, args.max_queue,
+                              args.stall_after)
         server.start()
         if args.listen.startswith("unix:"):
             os.chmod(args.listen.removeprefix("unix://"), 0o600)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent import futures
 
@@ -166,8 +167,10 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
 class RunnerServer:
     """gRPC server, health and reflection around one RunnerService."""
 
-    def __init__(self, service: RunnerService, address: str, max_queue: int):
+    def __init__(self, service: RunnerService, address: str, max_queue: int, stall_after: float = 30.0):
         self.service = service
+        self.stall_after = stall_after
+        self._shutting_down = threading.Event()
         self.address = address
         self.max_queue = max_queue
         self.health = health.HealthServicer()
@@ -196,9 +199,23 @@ class RunnerServer:
         worker.start()
         self.service.worker = worker
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        threading.Thread(target=self._watch_mlx_thread, name="stall-watch", daemon=True).start()
+
+    def _watch_mlx_thread(self) -> None:
+        """Health says NOT_SERVING while the MLX thread makes no progress (a hung runner)."""
+        stalled = False
+        while not self._shutting_down.wait(0.25):
+            now_stalled = self.service.worker.stalled_for() > self.stall_after
+            if now_stalled != stalled:
+                stalled = now_stalled
+                if stalled:
+                    log.error("MLX thread stalled for over %.1f s: health NOT_SERVING", self.stall_after)
+                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING if stalled
+                                 else health_pb2.HealthCheckResponse.SERVING)
 
     def shutdown(self, grace: float) -> None:
         """NOT_SERVING, no new calls, in-flight work gets ``grace`` seconds, then is cancelled."""
+        self._shutting_down.set()
         self.health.enter_graceful_shutdown()
         worker = self.service.worker
         if worker is not None:

@@ -12,6 +12,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -59,6 +60,7 @@ class MlxWorker:
         self._controls: collections.deque[tuple[callable, Future]] = collections.deque()
         self._current: GenerationJob | None = None
         self._stopping = False
+        self.heartbeat = time.monotonic()  # last sign of life of the MLX thread
         self._thread = threading.Thread(target=self._run, name="mlx", daemon=True)
 
     def start(self) -> None:
@@ -118,7 +120,9 @@ class MlxWorker:
         while True:
             with self._lock:
                 while not (self._jobs or self._controls or self._stopping):
-                    self._lock.wait()
+                    self.heartbeat = time.monotonic()
+                    self._lock.wait(0.5)
+                self.heartbeat = time.monotonic()
                 if not self._jobs and not self._controls and self._stopping:
                     return
                 job = self._jobs.popleft() if self._jobs and not self._controls else None
@@ -137,10 +141,16 @@ class MlxWorker:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
+                    self.heartbeat = time.monotonic()
                 except BaseException as error:  # noqa: BLE001 - handed to the caller
                     future.set_exception(error)
 
+    def stalled_for(self) -> float:
+        """Seconds since the MLX thread last showed progress (0 while it does)."""
+        return time.monotonic() - self.heartbeat
+
     def _between_rounds(self, job: GenerationJob) -> bool:
+        self.heartbeat = time.monotonic()
         self._run_controls()
         return job.cancelled.is_set()
 

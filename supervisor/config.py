@@ -57,6 +57,7 @@ class ModelConfig:
     max_queue: int = 8
     release_enabled: bool = True  # debug: False starts the runner with --no-release
     debug_rpcs: bool = False
+    stall_after: float = 30.0  # the runner reports NOT_SERVING when its MLX thread is stuck this long
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
         load_at_start=_take(table, "load_at_start", p, bool, True), max_queue=max_queue,
         release_enabled=_take(table, "release_enabled", p, bool, True),
         debug_rpcs=_take(table, "debug_rpcs", p, bool, False),
+        stall_after=parse_duration(f"{p}stall_after", table.pop("stall_after", 30.0)),
     )
     if table:
         raise ConfigError(f"{p}{sorted(table)[0]}", "unknown key")

@@ -228,6 +228,7 @@ class ManagedRunner:
                 "--listen", self.address, "--num-draft-tokens", str(m.num_draft_tokens),
                 "--release-interval", str(m.release_interval), "--cache-limit", str(m.cache_limit),
                 "--max-queue", str(m.max_queue), "--grace", str(self.config.drain_grace),
+                "--stall-after", str(m.stall_after),
                 "--parent-pid", str(os.getpid())]
         if m.draft is not None:
             args += ["--draft", str(m.draft)]

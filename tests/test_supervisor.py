@@ -197,3 +197,47 @@ def test_runner_that_cannot_start_ends_failed_while_the_other_serves(tmp_path):
         assert sup.probe("/readyz")[0] == 503
     finally:
         assert sup.stop() == 0
+
+
+def test_hung_runner_is_detected_killed_and_restarted(tmp_path):
+    from runner.protocol import runner_pb2
+    from runner.client import RunnerClient
+
+    models = model_toml("stuck", debug_rpcs=True, stall_after=1.0) + model_toml("fine")
+    sup = SupervisorProcess(tmp_path, models, health_period="0.3s", health_deadline="0.5s", health_misses=3).wait_ready()
+    try:
+        before = sup.client.model("stuck")
+        with RunnerClient(f"unix://{sup.runtime_dir}/stuck.sock") as runner:
+            runner.stub.DebugBlock(runner_pb2.DebugBlockRequest(seconds=120), timeout=5)  # blocks its MLX thread
+        assert wait_until(lambda: sup.client.model("stuck").pid not in (0, before.pid), 30, interval=0.1)
+        assert sup.client.wait_serving(60, service="stuck")
+        after = sup.client.model("stuck")
+        assert after.restarts == before.restarts + 1
+        assert "hung" in sup.stderr and "missed 3 health checks" in sup.stderr
+        assert generate(sup, model="stuck", prompt="x", max_tokens=3, ignore_eos=True)[1].stats.generated_tokens == 3
+        assert sup.client.model("fine").restarts == 0
+    finally:
+        assert sup.stop() == 0
+
+
+def test_client_cli(two_models):
+    import subprocess
+    import sys
+
+    from tests.processes import child_environment
+
+    address = f"127.0.0.1:{two_models.port}"
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "supervisor", *args, "--address", address],
+                              capture_output=True, text=True, timeout=120, env=child_environment())
+
+    expected, _ = generate(two_models, model="beta", prompt=PROMPT, max_tokens=30)
+    done = cli("generate", "--model", "beta", "--max-tokens", "30", PROMPT)
+    assert done.returncode == 0 and done.stdout.rstrip("\n") == expected.rstrip("\n")
+    assert "30 tokens" in done.stderr
+    models = cli("models")
+    assert models.returncode == 0 and "alpha" in models.stdout and "serving" in models.stdout
+    assert "MLX active" in cli("memory").stdout and "ready" in cli("status").stdout
+    missing = cli("generate", "--model", "nope", "x")
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr

@@ -1,0 +1,98 @@
+"""Configuration: TOML in, one clear message naming the key for every mistake."""
+
+import subprocess
+import sys
+
+import pytest
+
+from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from supervisor.config import ConfigError, default_config, from_dict, load, parse_duration, parse_size
+from tests.processes import child_environment
+
+GOOD = {"models": {"m": {"target": str(DEFAULT_TARGET), "draft": str(DEFAULT_DRAFT)}}}
+
+
+def with_model(**fields):
+    return {"models": {"m": {"target": str(DEFAULT_TARGET), **fields}}}
+
+
+def test_a_good_config_loads(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(f'''
+listen = "127.0.0.1:6000"
+max_loaded = 1
+health_period = "500ms"
+[models.m]
+target = "{DEFAULT_TARGET}"
+draft = "{DEFAULT_DRAFT}"
+soft_limit = "1GiB"
+hard_limit = "2GiB"
+keep_alive = "5m"
+cache_limit = "unbounded"
+''')
+    config = load(path)
+    m = config.models["m"]
+    assert m.soft_limit == 2**30 and m.hard_limit == 2 * 2**30 and m.keep_alive == 300
+    assert m.cache_limit == "unbounded" and config.health_period == 0.5 and config.loaded_cap == 1
+
+
+def test_zero_config_serves_the_default_pair_on_loopback():
+    config = default_config()
+    assert config.models["default"].target == DEFAULT_TARGET and config.listen.startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize("data, key", [
+    ({}, "models"),
+    ({**GOOD, "colour": "blue"}, "colour"),
+    (with_model(flavour=1), "models.m.flavour"),
+    ({"models": {"m": {}}}, "models.m.target"),
+    (with_model(target="/no/such/folder"), "models.m.target"),
+    (with_model(draft="/no/such/draft"), "models.m.draft"),
+    (with_model(num_draft_tokens=-1), "models.m.num_draft_tokens"),
+    (with_model(num_draft_tokens="three"), "models.m.num_draft_tokens"),
+    (with_model(soft_limit="lots"), "models.m.soft_limit"),
+    (with_model(soft_limit="2GiB", hard_limit="1GiB"), "models.m.soft_limit"),
+    (with_model(keep_alive="forever"), "models.m.keep_alive"),
+    (with_model(release_interval=0), "models.m.release_interval"),
+    ({**GOOD, "listen": "0.0.0.0:6000"}, "listen"),
+    ({**GOOD, "probe_port": 70000}, "probe_port"),
+    ({**GOOD, "max_restarts": 0}, "max_restarts"),
+    ({**GOOD, "tls_cert": "cert.pem"}, "tls_cert"),
+    ({"models": {"bad name!": {"target": str(DEFAULT_TARGET)}}}, "models.bad name!"),
+])
+def test_mistakes_name_their_key(tmp_path, data, key):
+    with pytest.raises(ConfigError) as caught:
+        from_dict(data, tmp_path)
+    assert caught.value.key == key
+    assert str(caught.value).startswith(f"config: {key}: ")
+
+
+def test_remote_listen_needs_allow_remote(tmp_path):
+    config = from_dict({**GOOD, "listen": "0.0.0.0:6000", "allow_remote": True, "auth_token": "t"}, tmp_path)
+    assert config.listen == "0.0.0.0:6000" and config.auth_token == "t"
+
+
+def test_sizes_and_durations():
+    assert parse_size("k", "512MiB") == 512 * 2**20 and parse_size("k", "2GB") == 2 * 10**9 and parse_size("k", 7) == 7
+    assert parse_duration("k", "250ms") == 0.25 and parse_duration("k", "2m") == 120 and parse_duration("k", 3) == 3
+
+
+def test_bad_config_stops_start_up_with_one_message_and_starts_nothing(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text(f'[models.m]\ntarget = "{DEFAULT_TARGET}"\nhard_limit = "very big"\n')
+    done = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(path)],
+                          capture_output=True, text=True, timeout=60, env=child_environment())
+    assert done.returncode == 2
+    assert done.stderr.strip() == "supervisor: config: models.m.hard_limit: 'very big' is not a size such as 512MiB or 2GB"
+    assert "runner" not in done.stderr
+
+
+def test_unwritable_runtime_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    path = tmp_path / "c.toml"
+    path.write_text(f'runtime_dir = "{blocker}/run"\nprobe_port = 0\nlisten = "127.0.0.1:0"\n'
+                    f'[models.m]\ntarget = "{DEFAULT_TARGET}"\n')
+    done = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(path)],
+                          capture_output=True, text=True, timeout=60, env=child_environment())
+    assert done.returncode == 2 and f"runtime_dir {blocker}/run is not usable" in done.stderr
