@@ -236,6 +236,8 @@ class Engine:
             raise InvalidRequest("top_p", "must lie in (0, 1]")
         if not (math.isfinite(request.min_p) and 0 <= request.min_p <= 1):
             raise InvalidRequest("min_p", "must lie in [0, 1]")
+        if request.seed is not None and not 0 <= request.seed < 2**63:
+            raise InvalidRequest("seed", "must lie in [0, 2**63)")
         if len(request.stop) > MAX_STOP_STRINGS:
             raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings")
         if any(len(s) > MAX_STOP_LENGTH for s in request.stop):

@@ -24,6 +24,7 @@ from runner.errors import InvalidRequest, ModelLoadError, TokenizerMismatch
     (dict(prompt="x", num_draft_tokens=-1), "num_draft_tokens"),
     (dict(prompt="x", num_draft_tokens=99), "num_draft_tokens"),
     (dict(prompt_ids=(1, 5, 999_999)), "prompt_ids"),
+    (dict(prompt="x", seed=-1), "seed"),
     (dict(prompt="x", stop=tuple(str(i) for i in range(1000))), "stop"),
 ])
 def test_bad_request_names_the_field(engine, fields, bad_field):

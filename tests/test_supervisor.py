@@ -97,6 +97,7 @@ def test_runner_killed_mid_stream_gives_unavailable_and_is_restarted(two_models)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "alpha" in caught.value.details() and "SIGKILL" in caught.value.details()
     assert sup.client.wait_serving(60, service="alpha")
+    assert wait_until(lambda: health_seen[-1] == SERVING, 5)  # the watcher saw it too
     watching.set()
     watcher.join()
     assert SERVING in health_seen and health_pb2.HealthCheckResponse.NOT_SERVING in health_seen
