@@ -29,7 +29,7 @@ from .release import DEFAULT_RELEASE_INTERVAL, ReleaseSchedule
 from .sampling import SamplingParams, filtered_probs, sample, verify_greedy, verify_sampled
 from .text import TextStream
 
-DEFAULT_NUM_DRAFT_TOKENS = 3
+DEFAULT_NUM_DRAFT_TOKENS = 1  # best in bench/engine.py on the default pair (1.26x-1.48x over plain)
 MAX_NUM_DRAFT_TOKENS = 16
 DEFAULT_PREFILL_CHUNK = 2048
 MAX_STOP_STRINGS = 64

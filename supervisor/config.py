@@ -8,7 +8,7 @@
     [models.default]
     target = "models/default/target"
     draft = "models/default/draft"    # optional
-    num_draft_tokens = 3
+    num_draft_tokens = 1
     release_interval = 256
     cache_limit = "default"           # "default", "unbounded" or bytes
     soft_limit = "2GiB"               # ReleaseMemory above this RSS (anonymous)
