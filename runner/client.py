@@ -20,11 +20,12 @@ RECONNECT_OPTIONS = [
 ]
 
 
-class RunnerClient:
+class HealthCheckedClient:
+    """A channel with the standard health service: the part runner and supervisor clients share."""
+
     def __init__(self, address: str):
         self.address = address
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
-        self.stub = runner_pb2_grpc.RunnerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def close(self) -> None:
@@ -36,20 +37,26 @@ class RunnerClient:
     def __exit__(self, *exc):
         self.close()
 
-    def health_status(self, timeout: float = 1.0) -> int | None:
-        """HealthCheckResponse status, or None when the runner does not answer."""
+    def health_status(self, service: str = "", timeout: float = 1.0) -> int | None:
+        """HealthCheckResponse status, or None when the server does not answer."""
         try:
-            return self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout).status
+            return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
         except grpc.RpcError:
             return None
 
-    def wait_serving(self, timeout: float, alive=lambda: True) -> bool:
+    def wait_serving(self, timeout: float, service: str = "", alive=lambda: True) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and alive():
-            if self.health_status(timeout=1.0) == health_pb2.HealthCheckResponse.SERVING:
+            if self.health_status(service, timeout=1.0) == health_pb2.HealthCheckResponse.SERVING:
                 return True
             time.sleep(0.05)
         return False
+
+
+class RunnerClient(HealthCheckedClient):
+    def __init__(self, address: str):
+        super().__init__(address)
+        self.stub = runner_pb2_grpc.RunnerStub(self.channel)
 
     def generate(self, timeout: float | None = None, **fields):
         """Stream GenerateChunks for a request built from keyword fields."""

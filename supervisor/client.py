@@ -2,48 +2,18 @@
 
 from __future__ import annotations
 
-import time
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from runner.client import RECONNECT_OPTIONS
-from runner.server import CHANNEL_OPTIONS
+from runner.client import HealthCheckedClient
 
 from .protocol import supervisor_pb2, supervisor_pb2_grpc
 
 STATE_NAMES = {v: k.removeprefix("RUNNER_STATE_").lower() for k, v in supervisor_pb2.RunnerState.items()}
 
 
-class SupervisorClient:
+class SupervisorClient(HealthCheckedClient):
     def __init__(self, address: str, token: str = ""):
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        super().__init__(address)
         self.stub = supervisor_pb2_grpc.SupervisorStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def health_status(self, service: str = "", timeout: float = 1.0) -> int | None:
-        try:
-            return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
-        except grpc.RpcError:
-            return None
-
-    def wait_serving(self, timeout: float, service: str = "") -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.health_status(service) == health_pb2.HealthCheckResponse.SERVING:
-                return True
-            time.sleep(0.05)
-        return False
 
     def generate(self, timeout: float | None = None, **fields):
         return self.stub.Generate(supervisor_pb2.GenerateRequest(**fields), timeout=timeout, metadata=self.metadata)

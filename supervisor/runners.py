@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from runner.client import RunnerClient
 from runner.cpu_blas import fast_blas_environment
@@ -34,6 +35,7 @@ from .config import ModelConfig, SupervisorConfig
 
 log = logging.getLogger("supervisor")
 STDERR_TAIL_LINES = 40
+SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 class State(enum.Enum):
@@ -263,7 +265,7 @@ class ManagedRunner:
             with self._cond:
                 if not self._wanted:
                     return None
-            if self.client.health_status(timeout=0.5) == 1:  # SERVING
+            if self.client.health_status(timeout=0.5) == SERVING:
                 return None
             time.sleep(0.05)
         return f"runner not serving after {self.config.startup_timeout:.0f} s"
@@ -290,7 +292,7 @@ class ManagedRunner:
                 return "restart"
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.config.health_period
-                if self.client.health_status(timeout=self.config.health_deadline) == 1:
+                if self.client.health_status(timeout=self.config.health_deadline) == SERVING:
                     misses = 0
                     continue
                 if self.process.poll() is not None:

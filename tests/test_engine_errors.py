@@ -1,13 +1,13 @@
 """Bad requests and bad model folders give clear, typed errors."""
 
-import json
 import shutil
 
 import pytest
 
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from runner.defaults import DEFAULT_TARGET
 from runner.engine import Engine, GenerationRequest
 from runner.errors import InvalidRequest, ModelLoadError, TokenizerMismatch
+from tests.conftest import draft_with_swapped_vocabulary
 
 
 @pytest.mark.parametrize("fields, bad_field", [
@@ -64,13 +64,7 @@ def test_corrupt_safetensors(tmp_path):
 
 
 def test_draft_with_same_size_but_different_vocabulary(tmp_path):
-    other = tmp_path / "draft"
-    shutil.copytree(DEFAULT_DRAFT, other)
-    tokenizer = json.loads((other / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    a, b = sorted(vocab, key=vocab.get)[100:102]
-    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
-    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    other = draft_with_swapped_vocabulary(tmp_path / "draft")
     with pytest.raises(TokenizerMismatch) as caught:
         Engine.load(DEFAULT_TARGET, other)
     assert "differs" in str(caught.value)

@@ -12,12 +12,11 @@ import threading
 import time
 
 import grpc
-import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from runner.defaults import DEFAULT_TARGET
 from supervisor.client import SupervisorClient
 from supervisor.protocol import supervisor_pb2
 from tests.processes import SupervisorProcess, model_toml, wait_until
@@ -157,11 +156,6 @@ def test_32_concurrent_clients_over_2_models(pair, record_property):
 
 
 # -- faults -------------------------------------------------------------------------------------
-
-def stream_until_error(sup, model, **fields):
-    call = sup.client.generate(timeout=120, model=model, **fields)
-    return call
-
 
 def test_runner_killed_during_prefill(pair):
     """Runner SIGKILLed during a long prefill: UNAVAILABLE for that client, restart, service resumes."""

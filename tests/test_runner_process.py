@@ -1,20 +1,17 @@
 """The runner as a process: signals, a dying parent, bad model folders, its socket, its stubs."""
 
-import json
 import os
 import shutil
 import signal
 import stat
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import psutil
-import pytest
 
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from tests.processes import REPO, RunnerProcess, child_environment, wait_until
+from runner.defaults import DEFAULT_TARGET
+from tests.conftest import draft_with_swapped_vocabulary
+from tests.processes import REPO, RunnerProcess, child_environment
 
 
 def test_sigterm_drains_and_exits_zero(tmp_path):
@@ -89,13 +86,7 @@ def test_corrupt_safetensors_exits_non_zero(tmp_path):
 
 
 def test_draft_with_another_tokenizer_exits_non_zero(tmp_path):
-    other = tmp_path / "other-draft"
-    shutil.copytree(DEFAULT_DRAFT, other)
-    tokenizer = json.loads((other / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    a, b = sorted(vocab, key=vocab.get)[200:202]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    other = draft_with_swapped_vocabulary(tmp_path / "other-draft")
     code, stderr = start_and_fail(tmp_path, DEFAULT_TARGET, other)
     assert code == 2 and "tokenizer differs" in stderr and str(other) in stderr
 
