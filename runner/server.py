@@ -164,6 +164,15 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         return runner_pb2.DebugBlockResponse()
 
 
+    def DebugExit(self, message, context):
+        worker = self._ready(context)
+        if not self.debug_rpcs:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "debug RPCs are off (start the runner with --debug-rpcs)")
+        log.warning("debug: exiting with code %d", message.code)
+        worker.call(lambda: os._exit(message.code))  # a fake crash: no cleanup, like a real one
+        return runner_pb2.DebugExitResponse()
+
+
 class RunnerServer:
     """gRPC server, health and reflection around one RunnerService."""
 

@@ -68,3 +68,26 @@ def test_draft_with_same_size_but_different_vocabulary(tmp_path):
     with pytest.raises(TokenizerMismatch) as caught:
         Engine.load(DEFAULT_TARGET, other)
     assert "differs" in str(caught.value)
+
+
+def test_missing_tokenizer(tmp_path):
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(DEFAULT_TARGET, folder)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").unlink()
+    with pytest.raises(ModelLoadError) as caught:
+        Engine.load(folder)
+    assert str(folder) in str(caught.value)
+
+
+def test_config_whose_shapes_do_not_match_the_weights(tmp_path):
+    import json
+
+    folder = tmp_path / "wrong-shapes"
+    shutil.copytree(DEFAULT_TARGET, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["hidden_size"] = 512
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as caught:
+        Engine.load(folder)
+    assert str(folder) in str(caught.value)

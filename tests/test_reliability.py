@@ -322,3 +322,58 @@ def test_remote_bind_needs_an_explicit_setting(tmp_path):
     done = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(path)],
                           capture_output=True, text=True, timeout=60, env=child_environment())
     assert done.returncode == 2 and "allow_remote" in done.stderr
+
+
+def test_client_gone_mid_stream_frees_the_runner(pair):
+    """A client that cancels or whose deadline passes: its runner is free again within a round."""
+    call = pair.client.generate(timeout=120, model="one", prompt=PROMPT, max_tokens=6000, ignore_eos=True)
+    next(call)
+    call.cancel()
+    assert wait_until(lambda: pair.client.model("one").in_flight == 0, 5)
+    code, _ = outcome(lambda: pair.client.generate(timeout=1.0, model="one", prompt=PROMPT, max_tokens=6000, ignore_eos=True))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    from runner.client import RunnerClient
+    from runner.protocol import runner_pb2
+
+    with RunnerClient(f"unix://{pair.runtime_dir}/one.sock") as runner:
+        assert wait_until(lambda: not runner.stub.Memory(runner_pb2.MemoryRequest(), timeout=1).busy, 5)
+    assert outcome(lambda: pair.client.generate(timeout=30, model="one", prompt="x", max_tokens=3))[0] == grpc.StatusCode.OK
+
+
+def test_public_port_already_in_use(tmp_path):
+    """The public port already taken: start-up stops with a clear message, no runner started."""
+    import socket
+    import sys
+
+    from tests.processes import child_environment
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        path = tmp_path / "c.toml"
+        path.write_text(f'listen = "127.0.0.1:{port}"\nprobe_port = 0\nruntime_dir = "{tmp_path}/run"\n'
+                        f'[models.m]\ntarget = "{DEFAULT_TARGET}"\n')
+        done = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(path)],
+                              capture_output=True, text=True, timeout=60, env=child_environment())
+    assert done.returncode == 2 and f"127.0.0.1:{port}" in done.stderr
+    assert "runner[" not in done.stderr
+
+
+def test_runner_exit_code_1_mid_stream(tmp_path):
+    """Runner exits with code 1 mid-stream (a debug RPC stands in for a fatal error): the client is told, restart."""
+    from runner.client import RunnerClient
+    from runner.protocol import runner_pb2
+
+    sup = SupervisorProcess(tmp_path, model_toml("frail", debug_rpcs=True)).wait_ready()
+    try:
+        call = sup.client.generate(timeout=120, model="frail", prompt=PROMPT, max_tokens=4000, ignore_eos=True)
+        next(call)
+        with RunnerClient(f"unix://{sup.runtime_dir}/frail.sock") as runner:
+            runner.stub.DebugExit(runner_pb2.DebugExitRequest(code=1), timeout=5)
+        code, _ = outcome(lambda: call)
+        assert code == grpc.StatusCode.UNAVAILABLE and "exited with code 1" in call.details()
+        assert sup.client.wait_serving(60, service="frail")
+        assert sup.client.model("frail").restarts == 1
+    finally:
+        assert sup.stop() == 0

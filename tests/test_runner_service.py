@@ -180,3 +180,7 @@ def test_debug_rpcs_are_off_by_default(runner):
     with pytest.raises(grpc.RpcError) as caught:
         runner.client.stub.DebugBlock(runner_pb2.DebugBlockRequest(seconds=5), timeout=5)
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as caught:
+        runner.client.stub.DebugExit(runner_pb2.DebugExitRequest(code=1), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert runner.alive()

@@ -191,3 +191,13 @@ class DebugBlockRequest(_message.Message):
 class DebugBlockResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DebugExitRequest(_message.Message):
+    __slots__ = ("code",)
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    def __init__(self, code: _Optional[int] = ...) -> None: ...
+
+class DebugExitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

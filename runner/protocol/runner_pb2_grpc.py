@@ -59,6 +59,11 @@ class RunnerStub:
                 request_serializer=runner_dot_protocol_dot_runner__pb2.DebugBlockRequest.SerializeToString,
                 response_deserializer=runner_dot_protocol_dot_runner__pb2.DebugBlockResponse.FromString,
                 _registered_method=True)
+        self.DebugExit = channel.unary_unary(
+                '/mlxserve.runner.v1.Runner/DebugExit',
+                request_serializer=runner_dot_protocol_dot_runner__pb2.DebugExitRequest.SerializeToString,
+                response_deserializer=runner_dot_protocol_dot_runner__pb2.DebugExitResponse.FromString,
+                _registered_method=True)
 
 
 class RunnerServicer:
@@ -100,6 +105,14 @@ class RunnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DebugExit(self, request, context):
+        """Debug only: exit the process with this code at the next safe point (a fault
+        that cannot otherwise be caused on demand, e.g. a fatal error inside MLX).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RunnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_RunnerServicer_to_server(servicer, server):
                     servicer.DebugBlock,
                     request_deserializer=runner_dot_protocol_dot_runner__pb2.DebugBlockRequest.FromString,
                     response_serializer=runner_dot_protocol_dot_runner__pb2.DebugBlockResponse.SerializeToString,
+            ),
+            'DebugExit': grpc.unary_unary_rpc_method_handler(
+                    servicer.DebugExit,
+                    request_deserializer=runner_dot_protocol_dot_runner__pb2.DebugExitRequest.FromString,
+                    response_serializer=runner_dot_protocol_dot_runner__pb2.DebugExitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class Runner:
             '/mlxserve.runner.v1.Runner/DebugBlock',
             runner_dot_protocol_dot_runner__pb2.DebugBlockRequest.SerializeToString,
             runner_dot_protocol_dot_runner__pb2.DebugBlockResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DebugExit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxserve.runner.v1.Runner/DebugExit',
+            runner_dot_protocol_dot_runner__pb2.DebugExitRequest.SerializeToString,
+            runner_dot_protocol_dot_runner__pb2.DebugExitResponse.FromString,
             options,
             channel_credentials,
             insecure,
