@@ -332,12 +332,8 @@ def test_client_gone_mid_stream_frees_the_runner(pair):
     assert wait_until(lambda: pair.client.model("one").in_flight == 0, 5)
     code, _ = outcome(lambda: pair.client.generate(timeout=1.0, model="one", prompt=PROMPT, max_tokens=6000, ignore_eos=True))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    from runner.client import RunnerClient
-    from runner.protocol import runner_pb2
-
-    with RunnerClient(f"unix://{pair.runtime_dir}/one.sock") as runner:
-        assert wait_until(lambda: not runner.stub.Memory(runner_pb2.MemoryRequest(), timeout=1).busy, 5)
-    assert outcome(lambda: pair.client.generate(timeout=30, model="one", prompt="x", max_tokens=3))[0] == grpc.StatusCode.OK
+    # Were either 6000-token generation still running (25 s and more), this would queue behind it and time out.
+    assert outcome(lambda: pair.client.generate(timeout=10, model="one", prompt="x", max_tokens=3))[0] == grpc.StatusCode.OK
 
 
 def test_public_port_already_in_use(tmp_path):
