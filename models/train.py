@@ -116,7 +116,7 @@ def lr_schedule(peak: float, steps: int, warmup: int):
     return schedule
 
 
-def fit(model, batches, steps: int, peak_lr: float, label: str, loss_mask=None):
+def fit(model, batches, steps: int, peak_lr: float, label: str):
     """Plain next-token cross-entropy training; batches(step) -> (inputs, targets, mask)."""
     optimizer = optim.AdamW(learning_rate=lr_schedule(peak_lr, steps, warmup=max(1, steps // 20)), weight_decay=0.01)
 

@@ -96,3 +96,14 @@ def test_unwritable_runtime_dir_is_a_clear_error(tmp_path):
     done = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(path)],
                           capture_output=True, text=True, timeout=60, env=child_environment())
     assert done.returncode == 2 and f"runtime_dir {blocker}/run is not usable" in done.stderr
+
+
+def test_public_generate_request_shares_the_runner_fields():
+    """The supervisor forwards a request by re-reading its bytes as the runner's message."""
+    from runner.protocol import runner_pb2
+    from supervisor.protocol import supervisor_pb2
+
+    def fields(descriptor, skip=()):
+        return {(f.name, f.number, f.type, f.has_presence) for f in descriptor.fields if f.name not in skip}
+
+    assert fields(supervisor_pb2.GenerateRequest.DESCRIPTOR, skip=("model",)) == fields(runner_pb2.GenerateRequest.DESCRIPTOR)
