@@ -22,6 +22,24 @@ def child_environment() -> dict[str, str]:
     return env
 
 
+def terminate(process: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM, wait up to ``timeout``, SIGKILL if it is still there; the exit status."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
+def serve_expecting_refusal(config: Path) -> subprocess.CompletedProcess:
+    """``python -m supervisor serve`` on a config it should refuse; returns once it has exited."""
+    return subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60, env=child_environment())
+
+
 class RunnerProcess:
     def __init__(self, socket_dir: Path, *extra: str, target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, name="default"):
         self.socket = socket_dir / f"{name}.sock"
@@ -46,15 +64,8 @@ class RunnerProcess:
         return self
 
     def stop(self) -> int:
-        if self.alive():
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
         self.client.close()
-        return self.process.returncode
+        return terminate(self.process, 30)
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
@@ -120,15 +131,8 @@ class SupervisorProcess:
             return error.code, error.read().decode()
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
         self.client.close()
-        return self.process.returncode
+        return terminate(self.process, 60)
 
 
 def model_toml(name: str, target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, **settings) -> str:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from runner.defaults import DEFAULT_TARGET
 from supervisor.client import SupervisorClient
 from supervisor.protocol import supervisor_pb2
-from tests.processes import SupervisorProcess, model_toml, wait_until
+from tests.processes import SupervisorProcess, model_toml, serve_expecting_refusal, wait_until
 
 PROMPT = "The for statement is used to iterate over the elements of a sequence"
 DOCUMENTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -313,14 +313,9 @@ def test_tls_can_be_configured(tmp_path):
 
 def test_remote_bind_needs_an_explicit_setting(tmp_path):
     """Binding a non-loopback address without allow_remote stops start-up."""
-    import sys
-
-    from tests.processes import child_environment
-
     path = tmp_path / "c.toml"
     path.write_text(f'listen = "0.0.0.0:0"\n[models.m]\ntarget = "{DEFAULT_TARGET}"\n')
-    done = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(path)],
-                          capture_output=True, text=True, timeout=60, env=child_environment())
+    done = serve_expecting_refusal(path)
     assert done.returncode == 2 and "allow_remote" in done.stderr
 
 
@@ -339,10 +334,6 @@ def test_client_gone_mid_stream_frees_the_runner(pair):
 def test_public_port_already_in_use(tmp_path):
     """The public port already taken: start-up stops with a clear message, no runner started."""
     import socket
-    import sys
-
-    from tests.processes import child_environment
-
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -350,8 +341,7 @@ def test_public_port_already_in_use(tmp_path):
         path = tmp_path / "c.toml"
         path.write_text(f'listen = "127.0.0.1:{port}"\nprobe_port = 0\nruntime_dir = "{tmp_path}/run"\n'
                         f'[models.m]\ntarget = "{DEFAULT_TARGET}"\n')
-        done = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(path)],
-                              capture_output=True, text=True, timeout=60, env=child_environment())
+        done = serve_expecting_refusal(path)
     assert done.returncode == 2 and f"127.0.0.1:{port}" in done.stderr
     assert "runner[" not in done.stderr
 

@@ -1,13 +1,10 @@
 """Configuration: TOML in, one clear message naming the key for every mistake."""
 
-import subprocess
-import sys
-
 import pytest
 
 from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from supervisor.config import ConfigError, default_config, from_dict, load, parse_duration, parse_size
-from tests.processes import child_environment
+from tests.processes import serve_expecting_refusal
 
 GOOD = {"models": {"m": {"target": str(DEFAULT_TARGET), "draft": str(DEFAULT_DRAFT)}}}
 
@@ -80,8 +77,7 @@ def test_sizes_and_durations():
 def test_bad_config_stops_start_up_with_one_message_and_starts_nothing(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text(f'[models.m]\ntarget = "{DEFAULT_TARGET}"\nhard_limit = "very big"\n')
-    done = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(path)],
-                          capture_output=True, text=True, timeout=60, env=child_environment())
+    done = serve_expecting_refusal(path)
     assert done.returncode == 2
     assert done.stderr.strip() == "supervisor: config: models.m.hard_limit: 'very big' is not a size such as 512MiB or 2GB"
     assert "runner" not in done.stderr
@@ -93,8 +89,7 @@ def test_unwritable_runtime_dir_is_a_clear_error(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(f'runtime_dir = "{blocker}/run"\nprobe_port = 0\nlisten = "127.0.0.1:0"\n'
                     f'[models.m]\ntarget = "{DEFAULT_TARGET}"\n')
-    done = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(path)],
-                          capture_output=True, text=True, timeout=60, env=child_environment())
+    done = serve_expecting_refusal(path)
     assert done.returncode == 2 and f"runtime_dir {blocker}/run is not usable" in done.stderr
 
 
