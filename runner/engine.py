@@ -259,7 +259,7 @@ class Engine:
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         decoder = _Decoder(self, prompt_ids, params, k, mx.random.key(seed))
         text = TextStream(self.tokenizer, request.stop)
-        schedule = ReleaseSchedule(self._count_release, self.settings.release_interval, self.settings.release_enabled)
+        schedule = ReleaseSchedule(self.release_memory, self.settings.release_interval, self.settings.release_enabled)
         eos_ids = set() if request.ignore_eos else set(self.tokenizer.eos_token_ids)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
 
@@ -313,10 +313,6 @@ class Engine:
         final_round.finish_reason = finish_reason
         final_round.stats = stats
         yield final_round
-
-    def _count_release(self) -> None:
-        mx.clear_cache()
-        self.total_releases += 1
 
 
 class _Decoder:

@@ -37,7 +37,7 @@ class ReleaseSchedule:
     the engine); ``enabled=False`` is a debug setting that shows the leak.
     """
 
-    release: Callable[[], None]
+    release: Callable[[], object]
     interval: int = DEFAULT_RELEASE_INTERVAL
     enabled: bool = True
     positions: list[int] = field(default_factory=list)  # generated count at each boundary release
