@@ -7,6 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from runner.client import RunnerClient
 from runner.engine import GenerationRequest
 from runner.protocol import runner_pb2
 from tests.conftest import collect
@@ -22,8 +23,13 @@ def runner(tmp_path_factory):
     process = RunnerProcess(tmp_path_factory.mktemp("run") / "sockets", "--max-queue", "2")
     seen = []
     deadline = time.monotonic() + 60
+    # The server listens before the models load. Wait for its socket file, then ask on fresh
+    # channels: a channel that failed while the runner was importing would sit in reconnect
+    # backoff and could miss the short loading window.
+    assert wait_until(lambda: process.socket.exists() or not process.alive(), 60, interval=0.002)
     while time.monotonic() < deadline and process.alive():
-        status = process.client.health_status(timeout=0.5)
+        with RunnerClient(process.address) as fresh:
+            status = fresh.health_status(timeout=0.5)
         if status is not None and (not seen or seen[-1] != status):
             seen.append(status)
         if status == SERVING:
