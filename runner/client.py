@@ -7,8 +7,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from .defaults import CHANNEL_OPTIONS
 from .protocol import runner_pb2, runner_pb2_grpc
-from .server import CHANNEL_OPTIONS
 
 
 # A runner is a local child that comes and goes: retry its socket quickly

@@ -1,7 +1,36 @@
-"""Where the embedded default model pair lives (written by models/train.py)."""
+"""Every default the runner and the supervisor share, in one place, importable without MLX.
+
+The supervisor process never loads MLX: its config, CLI and clients take their
+defaults from here, and the runner's argument parser does too.
+"""
 
 from pathlib import Path
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
-DEFAULT_TARGET = MODELS_DIR / "target"
-DEFAULT_DRAFT = MODELS_DIR / "draft"
+# The embedded default model pair (written by models/train.py) and the imported real model.
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_TARGET = MODELS_DIR / "default" / "target"
+DEFAULT_DRAFT = MODELS_DIR / "default" / "draft"
+SMOLLM2_DIR = MODELS_DIR / "smollm2"  # make real-model (outside git)
+
+# Decoding.
+DEFAULT_NUM_DRAFT_TOKENS = 1  # best fixed k in bench/engine.py on the default pair
+MAX_NUM_DRAFT_TOKENS = 16
+DEFAULT_RELEASE_INTERVAL = 256  # mlx-lm's KVCache.step: the cache grows in steps of this many tokens
+DEFAULT_PREFILL_CHUNK = 2048  # the most prompt tokens one forward pass takes
+# On the CPU, attention materialises a (heads x chunk x context) float32 score matrix: chunks are
+# sized to keep it under this many bytes (measured on the default pair at 8000 tokens: chunks of
+# 256 prefill as fast as 2048 with a third of the peak memory).
+DEFAULT_PREFILL_SCORE_BYTES = 64 * 2**20
+MIN_PREFILL_CHUNK = 16
+DTYPES = ("auto", "checkpoint", "float32")
+DEFAULT_DTYPE = "auto"
+
+# The runner process.
+DEFAULT_MAX_QUEUE = 8
+DEFAULT_STALL_AFTER = 30.0  # seconds without progress of the MLX thread before health says NOT_SERVING
+DEFAULT_GRACE = 10.0
+MAX_MESSAGE_BYTES = 8 * 2**20
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]

@@ -13,27 +13,28 @@ mlx-lm's ``speculative_generate_step`` never releases the pool while decoding.
 
 from __future__ import annotations
 
-import math
-import secrets
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+import psutil
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .errors import InvalidRequest, ModelLoadError, TokenizerMismatch
-from .release import DEFAULT_RELEASE_INTERVAL, ReleaseSchedule
+from .defaults import (DEFAULT_DTYPE, DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES,
+                       DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER)
+from .errors import TokenizerMismatch
+from .footprint import ModelFootprint, expected_device, resolve_dtype
+from .loading import LoadedModel, load_model
+from .prefill import PrefillPlanner
+from .release import ReleaseSchedule
+from .request import GenerationRequest, PreparedRequest, prepare
 from .sampling import SamplingParams, filtered_probs, sample, verify_greedy, verify_sampled
-from .text import TextStream
+from .stopping import StoppingCriteria
 
-DEFAULT_NUM_DRAFT_TOKENS = 1  # best in bench/engine.py on the default pair (1.26x-1.48x over plain)
-MAX_NUM_DRAFT_TOKENS = 16
-DEFAULT_PREFILL_CHUNK = 2048
-MAX_STOP_STRINGS = 64
-MAX_STOP_LENGTH = 256
+log = logging.getLogger("runner")
 
 # Cache-limit settings: MLX's own default, or the memory limit (what Metal and
 # CUDA default to, and what makes the pool's growth visible on the CPU).
@@ -48,23 +49,10 @@ class EngineSettings:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     cache_limit: str | int = CACHE_LIMIT_DEFAULT  # "default", "unbounded" or bytes
     release_enabled: bool = True  # debug: False reproduces the pool leak
-    dtype: str | None = "float32"  # compute dtype; None keeps the checkpoint's
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt: str = ""
-    prompt_ids: tuple[int, ...] = ()  # used instead of ``prompt`` when given
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    num_draft_tokens: int | None = None  # None = the engine's setting; 0 = no drafting
-    ignore_eos: bool = False
-    request_id: str = ""
+    dtype: str = DEFAULT_DTYPE  # "auto", "checkpoint" or "float32" (runner.loading)
+    max_context: int | None = None  # lowers the model's context length
+    prefill_seconds: float = DEFAULT_STALL_AFTER / 4  # a prefill chunk should take about this long, at most
+    prefill_score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES  # CPU attention's transient score matrix, at most
 
 
 @dataclass
@@ -82,6 +70,7 @@ class GenerationStats:
     active_memory: int = 0
     cache_memory: int = 0
     peak_memory: int = 0
+    prefill_chunks: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -95,6 +84,10 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return (self.prompt_tokens - 1) / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
 
 @dataclass
 class Round:
@@ -106,46 +99,6 @@ class Round:
     accepted: int = 0
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
     stats: GenerationStats | None = None
-
-
-@dataclass
-class LoadedModel:
-    path: Path
-    model: object
-    tokenizer: object
-    config: dict
-
-    @property
-    def parameters(self) -> int:
-        return sum(v.size for _, v in tree_flatten(self.model.parameters()))
-
-    @property
-    def dtype(self) -> str:
-        first = next(iter(tree_flatten(self.model.parameters())))[1]
-        return str(first.dtype).removeprefix("mlx.core.")
-
-    @property
-    def context_length(self) -> int:
-        return int(self.config.get("max_position_embeddings") or 2048)
-
-
-def load_model(folder: str | Path, dtype: str | None) -> LoadedModel:
-    """Load one mlx-lm model folder, turning every failure into ModelLoadError."""
-    from mlx_lm.utils import load as mlx_lm_load
-
-    path = Path(folder)
-    if not path.is_dir():
-        raise ModelLoadError(path, "no such folder")
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(path, "config.json is missing")
-    try:
-        model, tokenizer, config = mlx_lm_load(str(path), return_config=True)
-        if dtype is not None:
-            model.set_dtype(getattr(mx, dtype))
-        mx.eval(model.parameters())
-    except Exception as error:  # noqa: BLE001 - any cause is reported with the folder
-        raise ModelLoadError(path, f"{type(error).__name__}: {error}") from error
-    return LoadedModel(path, model, tokenizer, config)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -174,29 +127,62 @@ def apply_cache_limit(setting: str | int) -> int:
     return limit
 
 
+def device_name() -> str:
+    return mx.default_device().type.name  # "cpu" or "gpu"
+
+
 class Engine:
     """A loaded target (and optional draft) that generates one request at a time."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, settings: EngineSettings):
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, settings: EngineSettings,
+                 dtype_reason: str = ""):
         self.target = target
         self.draft = draft
         self.settings = settings
         self.tokenizer = target.tokenizer
-        self.vocab_size = target.model.args.vocab_size
+        self.vocab_size = target.vocab_size
+        self.device = device_name()
+        self.dtype_reason = dtype_reason or f"dtype = {target.dtype!r}"
         self.cache_limit = apply_cache_limit(settings.cache_limit)
         self.total_releases = 0
+        self.speculative, self.speculative_note = self._can_speculate()
+
+    def _can_speculate(self) -> tuple[bool, str]:
+        if self.draft is None:
+            return False, "no draft model"
+        for loaded in (self.target, self.draft):
+            if not loaded.rewindable:
+                return False, (f"{loaded.path.name}'s cache cannot be rewound ({loaded.cache_description()}): "
+                               "plain decoding")
+        return True, "draft model"
 
     @classmethod
     def load(cls, target_dir, draft_dir=None, settings: EngineSettings = EngineSettings()) -> "Engine":
-        target = load_model(target_dir, settings.dtype)
-        draft = load_model(draft_dir, settings.dtype) if draft_dir else None
+        folders = [Path(target_dir)] + ([Path(draft_dir)] if draft_dir else [])
+        dtype, reason = settings.dtype, ""
+        if dtype == "auto":
+            try:
+                footprints = [ModelFootprint.of(folder) for folder in folders]
+            except (OSError, ValueError):
+                footprints = None  # load_model reports what is wrong with the folder
+            if footprints is not None:
+                dtype, reason = resolve_dtype("auto", device_name(), footprints, psutil.virtual_memory().available,
+                                              context=settings.max_context)
+            else:
+                dtype = "float32" if device_name() == "cpu" else "checkpoint"
+        target = load_model(folders[0], dtype, settings.max_context)
+        draft = load_model(folders[1], dtype, settings.max_context) if draft_dir else None
         if draft is not None:
             check_same_vocabulary(target, draft)
-        return cls(target, draft, settings)
+        return cls(target, draft, settings, reason)
 
     @property
     def context_length(self) -> int:
         return self.target.context_length
+
+    @property
+    def default_num_draft_tokens(self) -> int:
+        return self.settings.num_draft_tokens if self.speculative else 0
 
     def warm_up(self) -> None:
         """One short generation, so the first real request does not pay for first-use setup."""
@@ -210,65 +196,42 @@ class Engine:
         self.total_releases += 1
         return before, mx.get_cache_memory()
 
-    # -- request checking ---------------------------------------------------
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Validate and tokenize a request once (raises InvalidRequest naming the field)."""
+        return prepare(request, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                       context_length=self.context_length, default_num_draft_tokens=self.default_num_draft_tokens,
+                       can_draft=self.speculative)
 
-    def prepare(self, request: GenerationRequest) -> tuple[list[int], SamplingParams, int]:
-        """Validate a request; returns prompt ids, sampling parameters and k."""
-        if request.prompt_ids:
-            prompt_ids = [int(t) for t in request.prompt_ids]
-            if any(t < 0 or t >= self.vocab_size for t in prompt_ids):
-                raise InvalidRequest("prompt_ids", f"token ids must lie in [0, {self.vocab_size})")
-        elif request.prompt:
-            prompt_ids = self.tokenizer.encode(request.prompt)
-        else:
-            raise InvalidRequest("prompt", "must not be empty")
-        if len(prompt_ids) >= self.context_length:
-            raise InvalidRequest(
-                "prompt", f"{len(prompt_ids)} tokens do not fit the context of {self.context_length}"
-            )
-        if request.max_tokens <= 0:
-            raise InvalidRequest("max_tokens", "must be positive")
-        if not math.isfinite(request.temperature) or request.temperature < 0:
-            raise InvalidRequest("temperature", "must be a finite number >= 0")
-        if request.top_k < 0:
-            raise InvalidRequest("top_k", "must be >= 0 (0 turns it off)")
-        if not (math.isfinite(request.top_p) and 0 < request.top_p <= 1):
-            raise InvalidRequest("top_p", "must lie in (0, 1]")
-        if not (math.isfinite(request.min_p) and 0 <= request.min_p <= 1):
-            raise InvalidRequest("min_p", "must lie in [0, 1]")
-        if request.seed is not None and not 0 <= request.seed < 2**63:
-            raise InvalidRequest("seed", "must lie in [0, 2**63)")
-        if len(request.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings")
-        if any(len(s) > MAX_STOP_LENGTH for s in request.stop):
-            raise InvalidRequest("stop", f"each stop string is at most {MAX_STOP_LENGTH} characters")
-        k = self.settings.num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
-        if not 0 <= k <= MAX_NUM_DRAFT_TOKENS:
-            raise InvalidRequest("num_draft_tokens", f"must lie in [0, {MAX_NUM_DRAFT_TOKENS}]")
-        if self.draft is None:
-            k = 0
-        params = SamplingParams(request.temperature, request.top_k, request.top_p, request.min_p)
-        return prompt_ids, params, k
+    def prefill_planner(self) -> PrefillPlanner:
+        heads = max(getattr(m.model.args, "num_attention_heads", 1) or 1
+                    for m in filter(None, (self.target, self.draft)))
+        return PrefillPlanner(heads, self.settings.prefill_chunk, self.settings.prefill_seconds,
+                              self.settings.prefill_score_bytes if self.device == "cpu" else None)
 
     # -- generation ---------------------------------------------------------
 
-    def generate(self, request: GenerationRequest, cancelled=lambda: False) -> Iterator[Round]:
-        """Stream the rounds of one request. ``cancelled()`` is checked between rounds."""
-        prompt_ids, params, k = self.prepare(request)
-        max_tokens = min(request.max_tokens, self.context_length - len(prompt_ids))
-        seed = request.seed if request.seed is not None else secrets.randbits(63)
-        decoder = _Decoder(self, prompt_ids, params, k, mx.random.key(seed))
-        text = TextStream(self.tokenizer, request.stop)
+    def generate(self, request: GenerationRequest | PreparedRequest, cancelled=lambda: False) -> Iterator[Round]:
+        """Stream the rounds of one request.
+
+        ``cancelled()`` is called between prefill chunks and between rounds: it is
+        where the caller shows progress, and it ends the generation by returning True.
+        """
+        prepared = request if isinstance(request, PreparedRequest) else self.prepare(request)
+        decoder = _Decoder(self, prepared.prompt_ids, prepared.params, prepared.num_draft_tokens,
+                           mx.random.key(prepared.seed))
+        stopping = StoppingCriteria(self.tokenizer, prepared.eos_ids, prepared.request.stop, prepared.max_tokens)
         schedule = ReleaseSchedule(self.release_memory, self.settings.release_interval, self.settings.release_enabled)
-        eos_ids = set() if request.ignore_eos else set(self.tokenizer.eos_token_ids)
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        stats = GenerationStats(prompt_tokens=len(prepared.prompt_ids))
+        max_tokens = prepared.max_tokens
 
         mx.reset_peak_memory()
         start = time.perf_counter()
-        decoder.prefill()
-        stats.prefill_seconds = time.perf_counter() - start
         finish_reason = None
+        final_round = Round([], "")
         try:
+            if not decoder.prefill(self.prefill_planner(), cancelled, stats.prefill_chunks):
+                finish_reason = "cancelled"
+            stats.prefill_seconds = time.perf_counter() - start
             while finish_reason is None:
                 if cancelled():
                     finish_reason = "cancelled"
@@ -276,13 +239,12 @@ class Engine:
                 proposed, drafted, accepted = decoder.round(max_tokens - stats.generated_tokens)
                 emitted, delta = [], ""
                 for token in proposed:
-                    if token in eos_ids:
-                        finish_reason = "stop"
-                        break
-                    emitted.append(token)
-                    delta += text.add(token)
-                    if text.stopped:
-                        finish_reason = "stop"
+                    decision = stopping(token)
+                    if decision.emit:
+                        emitted.append(token)
+                        delta += decision.text
+                    if decision.finish_reason is not None:
+                        finish_reason = decision.finish_reason
                         break
                 before = stats.generated_tokens
                 stats.generated_tokens += len(emitted)
@@ -291,8 +253,6 @@ class Engine:
                 stats.accepted += accepted
                 if stats.rounds == 1:
                     stats.time_to_first_token = time.perf_counter() - start
-                if finish_reason is None and stats.generated_tokens >= max_tokens:
-                    finish_reason = "length"
                 schedule.after_round(before, stats.generated_tokens)
                 if finish_reason is None:
                     yield Round(emitted, delta, drafted, accepted)
@@ -301,6 +261,8 @@ class Engine:
         finally:
             decoder.close()
             schedule.at_end()
+        if not stats.prefill_seconds:
+            stats.prefill_seconds = time.perf_counter() - start
         stats.decode_seconds = time.perf_counter() - start - stats.prefill_seconds
         stats.releases = schedule.count
         stats.release_positions = list(schedule.positions)
@@ -309,7 +271,8 @@ class Engine:
         stats.peak_memory = mx.get_peak_memory()
         if finish_reason == "cancelled":
             final_round = Round([], "")
-        final_round.text += text.finish()
+        else:
+            final_round.text += stopping.finish()
         final_round.finish_reason = finish_reason
         final_round.stats = stats
         yield final_round
@@ -337,15 +300,28 @@ class _Decoder:
         self.pending = prompt_ids[-1]
         self.draft_backlog: list[int] = []
 
-    def prefill(self) -> None:
-        """Run the prompt (all but its last token) through both models in chunks."""
+    def prefill(self, planner: PrefillPlanner, between=lambda: False, sizes: list | None = None) -> bool:
+        """Run the prompt (all but its last token) through both models in planned chunks.
+
+        ``between()`` runs after every chunk (the caller's sign of progress); when it
+        returns True the prefill stops there and this returns False.
+        """
         context = self.prompt_ids[:-1]
-        chunk = self.engine.settings.prefill_chunk
-        for model, cache in self._models():
-            for start in range(0, len(context), chunk):
-                model(mx.array(context[start : start + chunk])[None], cache=cache)
+        offset = 0
+        while offset < len(context):
+            size = planner.next_chunk(offset, len(context) - offset)
+            started = time.perf_counter()
+            for model, cache in self._models():
+                model(mx.array(context[offset : offset + size])[None], cache=cache)
                 mx.eval([c.state for c in cache])
-                mx.clear_cache()
+            mx.clear_cache()
+            planner.record(offset, size, time.perf_counter() - started)
+            offset += size
+            if sizes is not None:
+                sizes.append(size)
+            if between():
+                return False
+        return True
 
     def round(self, budget: int) -> tuple[list[int], int, int]:
         """One speculative round; returns (tokens, drafted, accepted), never more than ``budget`` tokens."""

@@ -25,3 +25,15 @@ class ModelLoadError(EngineError):
 
 class TokenizerMismatch(ModelLoadError):
     """The draft model does not share the target's vocabulary."""
+
+
+class QueueFull(EngineError):
+    """No room for another waiting request. Maps to RESOURCE_EXHAUSTED."""
+
+
+class WorkerStopped(EngineError):
+    """The runner is shutting down and takes no more work. Maps to UNAVAILABLE."""
+
+
+class NotReady(EngineError):
+    """The models are still loading. Maps to UNAVAILABLE."""

@@ -20,19 +20,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import __version__
-from .engine import Engine, GenerationRequest, GenerationStats, LoadedModel, Round
+from .defaults import CHANNEL_OPTIONS, DEFAULT_MAX_QUEUE, DEFAULT_STALL_AFTER
+from .engine import Engine, GenerationStats, Round
 from .errors import InvalidRequest
+from .loading import LoadedModel
+from .request import GenerationRequest
 from .protocol import runner_pb2, runner_pb2_grpc
 from .worker import MlxWorker, QueueFull, WorkerStopped
 
 log = logging.getLogger("runner")
 
 SERVICE_NAME = runner_pb2.DESCRIPTOR.services_by_name["Runner"].full_name
-MAX_MESSAGE_BYTES = 8 * 2**20
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
 FINISH_REASONS = {
     "stop": runner_pb2.FINISH_REASON_STOP,
     "length": runner_pb2.FINISH_REASON_LENGTH,
@@ -67,6 +65,7 @@ def stats_to_proto(s: GenerationStats) -> runner_pb2.GenerationStats:
         prefill_s=s.prefill_seconds, decode_s=s.decode_seconds, tokens_per_second=s.tokens_per_second,
         releases=s.releases, release_positions=s.release_positions,
         active_memory=s.active_memory, cache_memory=s.cache_memory, peak_memory=s.peak_memory,
+        prefill_chunks=s.prefill_chunks,
     )
 
 
@@ -80,16 +79,29 @@ def chunk_to_proto(r: Round) -> runner_pb2.GenerateChunk:
 
 
 def model_info(loaded: LoadedModel) -> runner_pb2.ModelInfo:
+    quantization = loaded.quantization or {}
     return runner_pb2.ModelInfo(
         path=str(loaded.path), architecture=str(loaded.config.get("model_type", "")),
-        parameters=loaded.parameters, context_length=loaded.context_length, dtype=loaded.dtype,
-        vocab_size=loaded.model.args.vocab_size,
+        parameters=loaded.parameters, context_length=loaded.context_length, dtype=loaded.compute_dtype,
+        vocab_size=loaded.vocab_size, quantization_bits=int(quantization.get("bits", 0)),
+        quantization_group_size=int(quantization.get("group_size", 0) if quantization else 0),
+        cache=loaded.cache_description(), rewindable=loaded.rewindable,
     )
+
+
+def peak_rss() -> int:
+    """High-water RSS of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class RunnerService(runner_pb2_grpc.RunnerServicer):
     def __init__(self, name: str, debug_rpcs: bool = False):
         self.name = name
+        self.runtime_rss = psutil.Process().memory_info().rss  # before any model is loaded
         self.debug_rpcs = debug_rpcs
         self.engine: Engine | None = None
         self.worker: MlxWorker | None = None
@@ -103,9 +115,8 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
     def Generate(self, message, context):
         worker = self._ready(context)
         try:
-            request = request_from_proto(message)
-            self.engine.prepare(request)  # every field checked before the request queues
-            job = worker.submit(request)
+            prepared = self.engine.prepare(request_from_proto(message))  # checked once, before it queues
+            job = worker.submit(prepared)
         except InvalidRequest as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except QueueFull:
@@ -131,9 +142,11 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         engine = self.engine
         response = runner_pb2.InfoResponse(
             name=self.name, target=model_info(engine.target), device=mx.default_device().type.name,
-            num_draft_tokens=engine.settings.num_draft_tokens if engine.draft else 0,
+            num_draft_tokens=engine.default_num_draft_tokens,
             release_interval=engine.settings.release_interval, release_enabled=engine.settings.release_enabled,
             cache_limit=engine.cache_limit, version=__version__, pid=os.getpid(), max_queue=self.worker.max_queue,
+            speculative=engine.speculative, decoding=engine.speculative_note, dtype_reason=engine.dtype_reason,
+            runtime_rss=self.runtime_rss,
         )
         if engine.draft is not None:
             response.draft.CopyFrom(model_info(engine.draft))
@@ -146,7 +159,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             active=mx.get_active_memory(), cache=mx.get_cache_memory(), peak=mx.get_peak_memory(),
             cache_limit=self.engine.cache_limit if self.engine else 0, memory_limit=mx.get_memory_limit(),
             releases=self.engine.total_releases if self.engine else 0, rss=self._process.memory_info().rss,
-            queued=worker.queued if worker else 0, busy=worker.busy if worker else False,
+            queued=worker.queued if worker else 0, busy=worker.busy if worker else False, peak_rss=peak_rss(),
         )
 
     def ReleaseMemory(self, message, context):
@@ -176,7 +189,8 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
 class RunnerServer:
     """gRPC server, health and reflection around one RunnerService."""
 
-    def __init__(self, service: RunnerService, address: str, max_queue: int, stall_after: float = 30.0):
+    def __init__(self, service: RunnerService, address: str, max_queue: int = DEFAULT_MAX_QUEUE,
+                 stall_after: float = DEFAULT_STALL_AFTER):
         self.service = service
         self.stall_after = stall_after
         self._shutting_down = threading.Event()

@@ -16,8 +16,9 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from .engine import Engine, GenerationRequest, Round
+from .engine import Engine, Round
 from .errors import EngineError
+from .request import PreparedRequest
 
 log = logging.getLogger("runner")
 
@@ -32,7 +33,7 @@ class WorkerStopped(Exception):
 
 @dataclass
 class GenerationJob:
-    request: GenerationRequest
+    request: PreparedRequest
     rounds: queue.Queue = field(default_factory=queue.Queue)  # Round, an exception, or None at the end
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -68,7 +69,7 @@ class MlxWorker:
 
     # -- called from gRPC threads --------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> GenerationJob:
+    def submit(self, request: PreparedRequest) -> GenerationJob:
         job = GenerationJob(request)
         with self._lock:
             if self._stopping:

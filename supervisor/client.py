@@ -43,7 +43,8 @@ def format_models(models, memory: bool = False) -> str:
         line = f"{m.name:<16} {STATE_NAMES[m.state]:<9} pid {m.pid:<7} restarts {m.restarts:<3} {m.reason}"
         if memory:
             s = m.memory
-            line += (f"\n    rss {s.rss / 2**20:.0f} MiB, anonymous {s.anonymous / 2**20:.0f} MiB, peak {s.peak_rss / 2**20:.0f} MiB, "
+            line += (f"\n    rss {s.rss / 2**20:.0f} MiB, anonymous {s.anonymous / 2**20:.0f} MiB, peak {s.peak_rss / 2**20:.0f} MiB "
+                     f"(estimate {s.estimate / 2**20:.0f} MiB), "
                      f"growth {s.growth_bytes_per_s / 2**20:+.1f} MiB/s; MLX active {s.mlx_active / 2**20:.0f} MiB, "
                      f"pool {s.mlx_cache / 2**20:.1f} MiB, releases {s.mlx_releases}")
         lines.append(line)

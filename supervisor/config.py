@@ -15,6 +15,10 @@
     hard_limit = "4GiB"               # drain and restart above this
     keep_alive = "5m"                 # unload after this long idle ("0" = never)
     load_at_start = true
+    dtype = "auto"                    # "auto", "checkpoint" (as stored, quantized stays quantized) or "float32"
+    max_context = 4096                # lower the model's context length (default: the model's own)
+    max_queue = 8                     # requests that may wait behind the running one
+    stall_after = "30s"               # no progress of the MLX thread this long = hung
 
 Every problem is reported as one ConfigError naming the key.
 """
@@ -28,9 +32,9 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from runner.engine import DEFAULT_NUM_DRAFT_TOKENS, MAX_NUM_DRAFT_TOKENS
-from runner.release import DEFAULT_RELEASE_INTERVAL
+from runner.defaults import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_GRACE, DEFAULT_MAX_QUEUE, DEFAULT_NUM_DRAFT_TOKENS,
+                             DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER, DEFAULT_TARGET, DTYPES,
+                             MAX_NUM_DRAFT_TOKENS)
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_PROBE_PORT = 9464
@@ -54,10 +58,12 @@ class ModelConfig:
     hard_limit: int = 0
     keep_alive: float = 0.0  # seconds idle before unloading; 0 = never
     load_at_start: bool = True
-    max_queue: int = 8
+    max_queue: int = DEFAULT_MAX_QUEUE
     release_enabled: bool = True  # debug: False starts the runner with --no-release
     debug_rpcs: bool = False
-    stall_after: float = 30.0  # the runner reports NOT_SERVING when its MLX thread is stuck this long
+    stall_after: float = DEFAULT_STALL_AFTER  # the runner reports NOT_SERVING when its MLX thread is stuck this long
+    dtype: str = DEFAULT_DTYPE
+    max_context: int = 0  # 0 = the model's own context length
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ class SupervisorConfig:
     restart_backoff_cap: float = 30.0
     stable_after: float = 60.0
     max_restarts: int = 5
-    drain_grace: float = 10.0
+    drain_grace: float = DEFAULT_GRACE
     kill_timeout: float = 5.0
 
     @property
@@ -172,16 +178,25 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
     if soft and hard and soft >= hard:
         raise ConfigError(f"{p}soft_limit", "must be below hard_limit")
     keep_alive = parse_duration(f"{p}keep_alive", table.pop("keep_alive", 0))
-    max_queue = _take(table, "max_queue", p, int, 8)
+    max_queue = _take(table, "max_queue", p, int, DEFAULT_MAX_QUEUE)
     if max_queue < 0:
         raise ConfigError(f"{p}max_queue", "must be >= 0")
+    dtype = _take(table, "dtype", p, str, DEFAULT_DTYPE)
+    if dtype not in DTYPES:
+        raise ConfigError(f"{p}dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    max_context = _take(table, "max_context", p, int, 0)
+    if max_context < 0 or max_context == 1:
+        raise ConfigError(f"{p}max_context", "must be at least 2 (0 = the model's own)")
+    stall_after = parse_duration(f"{p}stall_after", table.pop("stall_after", DEFAULT_STALL_AFTER))
+    if stall_after <= 0:
+        raise ConfigError(f"{p}stall_after", "must be positive")
     model = ModelConfig(
         name=name, target=target, draft=draft, num_draft_tokens=k, release_interval=interval,
         cache_limit=cache_limit, soft_limit=soft, hard_limit=hard, keep_alive=keep_alive,
         load_at_start=_take(table, "load_at_start", p, bool, True), max_queue=max_queue,
         release_enabled=_take(table, "release_enabled", p, bool, True),
         debug_rpcs=_take(table, "debug_rpcs", p, bool, False),
-        stall_after=parse_duration(f"{p}stall_after", table.pop("stall_after", 30.0)),
+        stall_after=stall_after, dtype=dtype, max_context=max_context,
     )
     if table:
         raise ConfigError(f"{p}{sorted(table)[0]}", "unknown key")

@@ -11,7 +11,9 @@ Per model, on every sample (default once a second):
   the hard limit, so a runner that needs its memory is not restarted in a loop.
 
 Before a runner starts, ``admit`` checks the system's available memory
-against what the model will need, and refuses instead of risking the OOM killer.
+against what the model will need (``runner.footprint``: the weights as they
+will sit in memory, the KV caches of the whole context, the prefill's transient
+and the runtime), and refuses instead of risking the OOM killer.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 import psutil
 
+from runner.footprint import Estimate, FootprintError, ModelFootprint, estimate, expected_device, resolve_dtype
 from runner.protocol import runner_pb2
 
 from .config import ModelConfig
@@ -35,7 +38,6 @@ log = logging.getLogger("supervisor")
 HISTORY = 120
 FULL_INFO_EVERY = 10  # PSS/USS walk /proc/PID/smaps: costly, so less often
 SOFT_RELEASE_EVERY = 5.0
-RUNTIME_OVERHEAD = 300 * 2**20  # interpreter, MLX, gRPC, tokenizer
 
 
 @dataclass
@@ -53,6 +55,7 @@ class MlxFigures:
     cache: int = 0
     peak: int = 0
     releases: int = 0
+    peak_rss: int = 0  # the runner's own high-water RSS
 
 
 class RunnerMemory:
@@ -99,24 +102,53 @@ def sample_tree(pid: int, count: int, previous: Sample) -> Sample:
     return Sample(time.monotonic(), rss, anonymous, pss, uss)
 
 
-def model_bytes(model: ModelConfig) -> int:
-    """Weights as loaded (fp16 files become fp32 on the CPU) plus the runtime."""
-    files = 0
-    for folder in filter(None, (model.target, model.draft)):
-        files += sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    return 2 * files + RUNTIME_OVERHEAD
-
-
 class AdmissionRefused(Exception):
     pass
 
 
-def admit(model: ModelConfig) -> None:
-    needed = model_bytes(model)
+class Estimates:
+    """Per model: what its runner will need at most, from its folders (read once) and the measured runtime."""
+
+    def __init__(self):
+        self._footprints: dict[str, list[ModelFootprint]] = {}
+        self.runtime_overhead: int | None = None  # measured by the last runner that started (Info.runtime_rss)
+
+    def footprints(self, model: ModelConfig) -> list[ModelFootprint]:
+        if model.name not in self._footprints:
+            self._footprints[model.name] = [ModelFootprint.of(f) for f in filter(None, (model.target, model.draft))]
+        return self._footprints[model.name]
+
+    def of(self, model: ModelConfig, available: int | None = None) -> tuple[Estimate, str]:
+        """The estimate and the dtype it assumes ("checkpoint" or "float32")."""
+        footprints = self.footprints(model)
+        available = psutil.virtual_memory().available if available is None else available
+        device = expected_device()
+        context = model.max_context or None
+        dtype, _ = resolve_dtype(model.dtype, device, footprints, available, context=context)
+        return estimate(footprints, dtype, device, context=context, runtime_overhead=self.runtime_overhead), dtype
+
+    def measured_runtime(self, rss: int) -> None:
+        if rss > 0:
+            self.runtime_overhead = rss + SERVING_OVERHEAD
+
+
+SERVING_OVERHEAD = 60 * 2**20  # gRPC's threads, the tokenizer and first allocations, on top of the bare runtime
+
+
+def admit(model: ModelConfig, estimates: Estimates) -> Estimate | None:
+    """Refuse a model that will not fit; one whose folder cannot be read is left to its runner to report."""
     available = psutil.virtual_memory().available
-    if needed > available:
+    try:
+        needed, dtype = estimates.of(model, available)
+    except (OSError, FootprintError) as error:
+        log.warning("model %s: no memory estimate (%s); its runner will say what is wrong", model.name, error)
+        return None
+    if needed.total > available:
         raise AdmissionRefused(
-            f"model {model.name}: needs about {needed / 2**20:.0f} MiB, only {available / 2**20:.0f} MiB available")
+            f"model {model.name}: needs about {needed.total / 2**20:.0f} MiB ({dtype} weights "
+            f"{needed.weights / 2**20:.0f} MiB, KV cache {needed.kv_cache / 2**20:.0f} MiB), only "
+            f"{available / 2**20:.0f} MiB available")
+    return needed
 
 
 class MemoryWatch:
@@ -156,7 +188,8 @@ class MemoryWatch:
         if runner.state == State.SERVING and runner.client is not None:
             try:
                 m = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=0.5)
-                memory.mlx = MlxFigures(m.active, m.cache, m.peak, m.releases)
+                memory.mlx = MlxFigures(m.active, m.cache, m.peak, m.releases, m.peak_rss)
+                memory.peak_rss = max(memory.peak_rss, m.peak_rss)
             except grpc.RpcError:
                 pass
             self._apply_limits(runner, memory, sample)

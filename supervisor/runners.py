@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2
 
 from runner.client import RunnerClient
 from runner.cpu_blas import fast_blas_environment
+from runner.protocol import runner_pb2
 
 from .config import ModelConfig, SupervisorConfig
 
@@ -69,6 +70,7 @@ class ManagedRunner:
         self.reason = "not loaded"
         self.process: subprocess.Popen | None = None
         self.client: RunnerClient | None = None
+        self.info = None  # the serving runner's InfoResponse
         self.restarts = 0
         self.failures = 0  # consecutive, reset after a stable period
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
@@ -219,6 +221,10 @@ class ManagedRunner:
             if failure is not None:
                 self._kill()
                 return failure
+            try:
+                self.info = self.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
+            except grpc.RpcError:
+                self.info = None
             self._set(State.SERVING, f"pid {self.process.pid}")
             return self._watch()
         finally:
@@ -230,8 +236,10 @@ class ManagedRunner:
                 "--listen", self.address, "--num-draft-tokens", str(m.num_draft_tokens),
                 "--release-interval", str(m.release_interval), "--cache-limit", str(m.cache_limit),
                 "--max-queue", str(m.max_queue), "--grace", str(self.config.drain_grace),
-                "--stall-after", str(m.stall_after),
+                "--stall-after", str(m.stall_after), "--dtype", m.dtype,
                 "--parent-pid", str(os.getpid())]
+        if m.max_context:
+            args += ["--max-context", str(m.max_context)]
         if m.draft is not None:
             args += ["--draft", str(m.draft)]
         if not m.release_enabled:

@@ -16,7 +16,7 @@ import time
 import grpc
 
 from .config import SupervisorConfig
-from .memory import AdmissionRefused, admit
+from .memory import AdmissionRefused, Estimates, admit
 from .runners import ManagedRunner, State
 
 log = logging.getLogger("supervisor")
@@ -34,7 +34,14 @@ class ServiceError(Exception):
 class Scheduler:
     def __init__(self, config: SupervisorConfig, on_change=lambda runner: None):
         self.config = config
-        self.runners = {name: ManagedRunner(model, config, on_change) for name, model in config.models.items()}
+        self.estimates = Estimates()
+
+        def changed(runner: ManagedRunner) -> None:
+            if runner.info is not None:
+                self.estimates.measured_runtime(runner.info.runtime_rss)
+            on_change(runner)
+
+        self.runners = {name: ManagedRunner(model, config, changed) for name, model in config.models.items()}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._expire_idle, name="keep-alive", daemon=True)
@@ -58,7 +65,7 @@ class Scheduler:
             if not runner.active:
                 self._make_room(runner)
                 try:
-                    admit(runner.model)
+                    admit(runner.model, self.estimates)
                 except AdmissionRefused as error:
                     raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
                 runner.start()

@@ -14,8 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from runner import __version__
+from runner.defaults import CHANNEL_OPTIONS
 from runner.protocol import runner_pb2
-from runner.server import CHANNEL_OPTIONS
 
 from .config import SupervisorConfig
 from .memory import MemoryWatch, RunnerMemory
@@ -198,13 +198,20 @@ class Supervisor:
         states = ", ".join(f"{r.name}={r.state.value}" for r in self.scheduler.runners.values())
         return self.scheduler.ready, ("ready: " if self.scheduler.ready else "not ready: ") + states
 
+    def _estimate(self, runner: ManagedRunner) -> int:
+        try:
+            return self.scheduler.estimates.of(runner.model)[0].total
+        except (OSError, ValueError, KeyError):
+            return 0
+
     def status(self, runner: ManagedRunner) -> supervisor_pb2.ModelStatus:
         memory = self.memory.memory[runner.name]
         current = memory.current
         sample = supervisor_pb2.MemorySample(
             peak_rss=memory.peak_rss, growth_bytes_per_s=memory.growth_rate, mlx_active=memory.mlx.active,
             mlx_cache=memory.mlx.cache, mlx_peak=memory.mlx.peak, mlx_releases=memory.mlx.releases,
-            soft_limit=runner.model.soft_limit, hard_limit=runner.model.hard_limit, history_samples=len(memory.history))
+            soft_limit=runner.model.soft_limit, hard_limit=runner.model.hard_limit, history_samples=len(memory.history),
+            estimate=self._estimate(runner))
         if current is not None and runner.pid:
             sample.rss, sample.anonymous, sample.pss, sample.uss = current.rss, current.anonymous, current.pss, current.uss
         return supervisor_pb2.ModelStatus(

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import mlx.core as mx
 import pytest
 
@@ -25,23 +22,3 @@ def restore_cache_limit():
     yield
     mx.set_cache_limit(previous)
     mx.clear_cache()
-
-
-def collect(rounds):
-    """All token ids, the whole text and the final round of a generation."""
-    tokens, text, last = [], "", None
-    for last in rounds:
-        tokens += last.token_ids
-        text += last.text
-    return tokens, text, last
-
-
-def draft_with_swapped_vocabulary(folder):
-    """A copy of the default draft whose tokenizer has the same size but two ids swapped."""
-    shutil.copytree(DEFAULT_DRAFT, folder)
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    a, b = sorted(vocab, key=vocab.get)[100:102]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-    return folder

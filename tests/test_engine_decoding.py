@@ -3,7 +3,7 @@
 import pytest
 
 from runner.engine import GenerationRequest
-from tests.conftest import collect
+from tests.helpers import collect
 
 PROMPT = "The for statement is used to iterate over the elements of a sequence"
 

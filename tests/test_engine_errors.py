@@ -7,7 +7,7 @@ import pytest
 from runner.defaults import DEFAULT_TARGET
 from runner.engine import Engine, GenerationRequest
 from runner.errors import InvalidRequest, ModelLoadError, TokenizerMismatch
-from tests.conftest import draft_with_swapped_vocabulary
+from tests.helpers import draft_with_swapped_vocabulary
 
 
 @pytest.mark.parametrize("fields, bad_field", [

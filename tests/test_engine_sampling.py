@@ -6,7 +6,7 @@ import pytest
 
 from runner.engine import GenerationRequest
 from runner.sampling import SamplingParams, filtered_probs, verify_sampled
-from tests.conftest import collect
+from tests.helpers import collect
 
 PROMPT = "A class definition defines a class object"
 

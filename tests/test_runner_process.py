@@ -10,7 +10,7 @@ import sys
 import psutil
 
 from runner.defaults import DEFAULT_TARGET
-from tests.conftest import draft_with_swapped_vocabulary
+from tests.helpers import draft_with_swapped_vocabulary
 from tests.processes import REPO, RunnerProcess, child_environment
 
 

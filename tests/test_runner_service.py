@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2
 from runner.client import RunnerClient
 from runner.engine import GenerationRequest
 from runner.protocol import runner_pb2
-from tests.conftest import collect
+from tests.helpers import collect
 from tests.processes import RunnerProcess, wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

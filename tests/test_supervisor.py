@@ -19,7 +19,9 @@ PROMPT = "The for statement is used to iterate over the elements of a sequence"
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
-    sup = SupervisorProcess(tmp_path_factory.mktemp("two"), model_toml("alpha") + model_toml("beta")).wait_ready()
+    # beta's MLX thread counts as hung after 1 s without progress (the default is 30 s)
+    sup = SupervisorProcess(tmp_path_factory.mktemp("two"),
+                            model_toml("alpha") + model_toml("beta", stall_after="1s")).wait_ready()
     yield sup
     assert sup.stop() == 0
 
@@ -69,6 +71,21 @@ def test_unknown_model_and_bad_fields(two_models):
         generate(two_models, model="alpha", prompt="x", max_tokens=3, top_p=3.0)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in caught.value.details()
     assert generate(two_models, model="alpha", prompt="x", max_tokens=3, ignore_eos=True)[1].stats.generated_tokens == 3
+
+
+def test_a_prefill_longer_than_stall_after_is_not_a_hang(two_models):
+    """A prompt whose prefill takes several times beta's stall_after gets its answer, with no restart."""
+    sup = two_models
+    before = sup.client.model("beta")
+    ids = [100 + (i * 7) % 3000 for i in range(3000)]
+    chunks = list(sup.client.generate(timeout=300, model="beta", prompt_ids=ids, max_tokens=8, ignore_eos=True))
+    stats = chunks[-1].stats
+    assert stats.generated_tokens == 8
+    assert stats.prefill_s > 2.0, stats.prefill_s
+    assert len(stats.prefill_chunks) > 3 and sum(stats.prefill_chunks) == len(ids) - 1
+    after = sup.client.model("beta")
+    assert after.restarts == before.restarts and after.pid == before.pid
+    assert "hung" not in sup.stderr
 
 
 def test_runner_killed_mid_stream_gives_unavailable_and_is_restarted(two_models):

@@ -47,7 +47,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round", "time_to_first_token_s", "prefill_s", "decode_s", "tokens_per_second", "releases", "release_positions", "active_memory", "cache_memory", "peak_memory")
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round", "time_to_first_token_s", "prefill_s", "decode_s", "tokens_per_second", "releases", "release_positions", "active_memory", "cache_memory", "peak_memory", "prefill_chunks")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class GenerationStats(_message.Message):
     ACTIVE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     CACHE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     PEAK_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     rounds: int
@@ -80,7 +81,8 @@ class GenerationStats(_message.Message):
     active_memory: int
     cache_memory: int
     peak_memory: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., releases: _Optional[int] = ..., release_positions: _Optional[_Iterable[int]] = ..., active_memory: _Optional[int] = ..., cache_memory: _Optional[int] = ..., peak_memory: _Optional[int] = ...) -> None: ...
+    prefill_chunks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., releases: _Optional[int] = ..., release_positions: _Optional[_Iterable[int]] = ..., active_memory: _Optional[int] = ..., cache_memory: _Optional[int] = ..., peak_memory: _Optional[int] = ..., prefill_chunks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("text", "token_ids", "drafted", "accepted", "finish_reason", "stats")
@@ -103,23 +105,31 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("path", "architecture", "parameters", "context_length", "dtype", "vocab_size")
+    __slots__ = ("path", "architecture", "parameters", "context_length", "dtype", "vocab_size", "quantization_bits", "quantization_group_size", "cache", "rewindable")
     PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_BITS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    REWINDABLE_FIELD_NUMBER: _ClassVar[int]
     path: str
     architecture: str
     parameters: int
     context_length: int
     dtype: str
     vocab_size: int
-    def __init__(self, path: _Optional[str] = ..., architecture: _Optional[str] = ..., parameters: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    quantization_bits: int
+    quantization_group_size: int
+    cache: str
+    rewindable: bool
+    def __init__(self, path: _Optional[str] = ..., architecture: _Optional[str] = ..., parameters: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., quantization_group_size: _Optional[int] = ..., cache: _Optional[str] = ..., rewindable: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue")
+    __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue", "speculative", "decoding", "dtype_reason", "runtime_rss")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +141,10 @@ class InfoResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    DECODING_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_RSS_FIELD_NUMBER: _ClassVar[int]
     name: str
     target: ModelInfo
     draft: ModelInfo
@@ -142,14 +156,18 @@ class InfoResponse(_message.Message):
     version: str
     pid: int
     max_queue: int
-    def __init__(self, name: _Optional[str] = ..., target: _Optional[_Union[ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., release_interval: _Optional[int] = ..., release_enabled: _Optional[bool] = ..., cache_limit: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., max_queue: _Optional[int] = ...) -> None: ...
+    speculative: bool
+    decoding: str
+    dtype_reason: str
+    runtime_rss: int
+    def __init__(self, name: _Optional[str] = ..., target: _Optional[_Union[ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., release_interval: _Optional[int] = ..., release_enabled: _Optional[bool] = ..., cache_limit: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., max_queue: _Optional[int] = ..., speculative: _Optional[bool] = ..., decoding: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., runtime_rss: _Optional[int] = ...) -> None: ...
 
 class MemoryRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class MemoryResponse(_message.Message):
-    __slots__ = ("active", "cache", "peak", "cache_limit", "memory_limit", "releases", "rss", "queued", "busy")
+    __slots__ = ("active", "cache", "peak", "cache_limit", "memory_limit", "releases", "rss", "queued", "busy", "peak_rss")
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     PEAK_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +177,7 @@ class MemoryResponse(_message.Message):
     RSS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
+    PEAK_RSS_FIELD_NUMBER: _ClassVar[int]
     active: int
     cache: int
     peak: int
@@ -168,7 +187,8 @@ class MemoryResponse(_message.Message):
     rss: int
     queued: int
     busy: bool
-    def __init__(self, active: _Optional[int] = ..., cache: _Optional[int] = ..., peak: _Optional[int] = ..., cache_limit: _Optional[int] = ..., memory_limit: _Optional[int] = ..., releases: _Optional[int] = ..., rss: _Optional[int] = ..., queued: _Optional[int] = ..., busy: _Optional[bool] = ...) -> None: ...
+    peak_rss: int
+    def __init__(self, active: _Optional[int] = ..., cache: _Optional[int] = ..., peak: _Optional[int] = ..., cache_limit: _Optional[int] = ..., memory_limit: _Optional[int] = ..., releases: _Optional[int] = ..., rss: _Optional[int] = ..., queued: _Optional[int] = ..., busy: _Optional[bool] = ..., peak_rss: _Optional[int] = ...) -> None: ...
 
 class ReleaseMemoryRequest(_message.Message):
     __slots__ = ()

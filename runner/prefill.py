@@ -1,0 +1,67 @@
+"""How many prompt tokens each prefill forward pass takes.
+
+Two limits, whichever is smaller:
+- memory: on the CPU, MLX's attention materialises a (heads x chunk x context)
+  float32 score matrix. Chunks are sized to keep it under ``score_bytes``, so a
+  long prompt does not add hundreds of MB of transient memory (measured on the
+  default pair at 8000 tokens: chunks of 256 were as fast as chunks of 2048
+  with a third of the peak);
+- time: the runner's MLX thread proves it is alive between chunks, and a chunk
+  that takes longer than ``stall_after`` looks like a hang. The first chunk is a
+  short probe; its speed, scaled for the longer context of the next chunk,
+  sizes the rest to take about ``seconds`` each.
+
+A forward pass over n tokens at context offset o costs about
+n * r * (o + n/2 + c0): a fixed part per token (c0, in tokens of context) and
+attention over the context, which grows with it. r is re-measured after every
+chunk, so a machine that slows down shrinks the chunks that follow.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .defaults import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES, DEFAULT_STALL_AFTER, MIN_PREFILL_CHUNK
+
+PROBE_CHUNK = 128
+FIXED_COST_TOKENS = 512  # c0: a token's fixed cost expressed as attention over this many tokens of context
+
+
+class PrefillPlanner:
+    def __init__(self, heads: int, max_chunk: int = DEFAULT_PREFILL_CHUNK, seconds: float = DEFAULT_STALL_AFTER / 4,
+                 score_bytes: int | None = DEFAULT_PREFILL_SCORE_BYTES, first_chunk: int = PROBE_CHUNK):
+        """``score_bytes=None`` lifts the memory limit (a GPU with fused attention)."""
+        self.heads = max(1, heads)
+        self.max_chunk = max(MIN_PREFILL_CHUNK, max_chunk)
+        self.seconds = seconds
+        self.score_bytes = score_bytes
+        self.first_chunk = first_chunk
+        self.rate: float | None = None  # seconds per (token x context token)
+        self.sizes: list[int] = []
+
+    def memory_limit(self, offset: int) -> int:
+        if self.score_bytes is None:
+            return self.max_chunk
+        # heads * n * (offset + n) * 4 <= score_bytes, solved for n
+        per = self.heads * 4
+        n = (-offset + math.sqrt(offset * offset + 4 * self.score_bytes / per)) / 2
+        return max(MIN_PREFILL_CHUNK, int(n))
+
+    def time_limit(self, offset: int) -> int:
+        if self.rate is None:
+            return self.first_chunk
+        u = offset + FIXED_COST_TOKENS
+        # rate * n * (u + n/2) <= seconds, solved for n
+        n = -u + math.sqrt(u * u + 2 * self.seconds / self.rate)
+        return max(MIN_PREFILL_CHUNK, int(n))
+
+    def next_chunk(self, offset: int, remaining: int) -> int:
+        size = min(remaining, self.max_chunk, self.memory_limit(offset), self.time_limit(offset))
+        self.sizes.append(size)
+        return size
+
+    def record(self, offset: int, size: int, seconds: float) -> None:
+        """What the chunk of ``size`` tokens starting at ``offset`` took."""
+        work = size * (offset + size / 2 + FIXED_COST_TOKENS)
+        if work > 0 and seconds > 0:
+            self.rate = seconds / work

@@ -1,0 +1,111 @@
+"""A generation request, and the same request prepared once: validated, tokenized, resolved.
+
+The gRPC handler prepares a request before it queues (so a bad field is an
+immediate INVALID_ARGUMENT), and the prepared request is what the MLX thread
+generates from: nothing is validated or tokenized twice.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+from .defaults import MAX_NUM_DRAFT_TOKENS
+from .errors import InvalidRequest
+from .sampling import SamplingParams
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 256
+# A text longer than this many characters per token of context cannot fit: refused before tokenizing.
+MAX_CHARS_PER_TOKEN = 32
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str = ""
+    prompt_ids: tuple[int, ...] = ()  # used instead of ``prompt`` when given
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    num_draft_tokens: int | None = None  # None = the engine's setting; 0 = no drafting
+    ignore_eos: bool = False
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """Everything the decode loop needs, checked and resolved."""
+
+    request: GenerationRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+    num_draft_tokens: int  # resolved: 0 when the engine cannot or should not draft
+    max_tokens: int  # capped by the room left in the context
+    seed: int
+    eos_ids: frozenset[int]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+def validate_fields(request: GenerationRequest) -> None:
+    """The checks that need no model."""
+    if request.max_tokens <= 0:
+        raise InvalidRequest("max_tokens", "must be positive")
+    if not math.isfinite(request.temperature) or request.temperature < 0:
+        raise InvalidRequest("temperature", "must be a finite number >= 0")
+    if request.top_k < 0:
+        raise InvalidRequest("top_k", "must be >= 0 (0 turns it off)")
+    if not (math.isfinite(request.top_p) and 0 < request.top_p <= 1):
+        raise InvalidRequest("top_p", "must lie in (0, 1]")
+    if not (math.isfinite(request.min_p) and 0 <= request.min_p <= 1):
+        raise InvalidRequest("min_p", "must lie in [0, 1]")
+    if request.seed is not None and not 0 <= request.seed < 2**63:
+        raise InvalidRequest("seed", "must lie in [0, 2**63)")
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    if any(len(s) > MAX_STOP_LENGTH for s in request.stop):
+        raise InvalidRequest("stop", f"each stop string is at most {MAX_STOP_LENGTH} characters")
+    if request.num_draft_tokens is not None and not 0 <= request.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+        raise InvalidRequest("num_draft_tokens", f"must lie in [0, {MAX_NUM_DRAFT_TOKENS}]")
+
+
+def prompt_ids_of(request: GenerationRequest, tokenizer, vocab_size: int, context_length: int) -> list[int]:
+    if request.prompt_ids:
+        ids = [int(t) for t in request.prompt_ids]
+        if any(t < 0 or t >= vocab_size for t in ids):
+            raise InvalidRequest("prompt_ids", f"token ids must lie in [0, {vocab_size})")
+        return ids
+    if not request.prompt:
+        raise InvalidRequest("prompt", "must not be empty")
+    if len(request.prompt) > context_length * MAX_CHARS_PER_TOKEN:
+        raise InvalidRequest("prompt", f"{len(request.prompt)} characters cannot fit the context of "
+                                       f"{context_length} tokens")
+    return tokenizer.encode(request.prompt)
+
+
+def prepare(request: GenerationRequest, *, tokenizer, vocab_size: int, context_length: int,
+            default_num_draft_tokens: int, can_draft: bool) -> PreparedRequest:
+    """Validate and tokenize ``request`` once; raises InvalidRequest naming the field."""
+    if not request.prompt and not request.prompt_ids:
+        raise InvalidRequest("prompt", "must not be empty")
+    validate_fields(request)
+    prompt_ids = prompt_ids_of(request, tokenizer, vocab_size, context_length)
+    if len(prompt_ids) >= context_length:
+        raise InvalidRequest("prompt", f"{len(prompt_ids)} tokens do not fit the context of {context_length}")
+    k = default_num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
+    return PreparedRequest(
+        request=request,
+        prompt_ids=prompt_ids,
+        params=SamplingParams(request.temperature, request.top_k, request.top_p, request.min_p),
+        num_draft_tokens=k if can_draft else 0,
+        max_tokens=min(request.max_tokens, context_length - len(prompt_ids)),
+        seed=request.seed if request.seed is not None else secrets.randbits(63),
+        eos_ids=frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids),
+    )

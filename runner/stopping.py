@@ -1,0 +1,45 @@
+"""When a generation stops: end-of-sequence tokens, stop strings and max_tokens, in one unit.
+
+``StoppingCriteria`` sees every token the decode loop is about to emit, in
+order, and says whether it is emitted, what text it adds and whether the
+generation ends with it. An end-of-sequence token ends the generation and is
+not emitted; a stop string ends it with the token that completed it (its text
+cut before the stop string, see ``runner.text``); the token that reaches
+``max_tokens`` ends it with finish reason ``length``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .text import TextStream
+
+
+@dataclass(frozen=True)
+class Decision:
+    emit: bool
+    text: str
+    finish_reason: str | None  # "stop", "length" or None
+
+
+class StoppingCriteria:
+    def __init__(self, tokenizer, eos_ids: frozenset[int] | set[int], stop: tuple[str, ...], max_tokens: int):
+        self.eos_ids = eos_ids
+        self.max_tokens = max_tokens
+        self.text = TextStream(tokenizer, stop)
+        self.count = 0  # tokens emitted
+
+    def __call__(self, token: int) -> Decision:
+        if token in self.eos_ids:
+            return Decision(False, "", "stop")
+        delta = self.text.add(token)
+        self.count += 1
+        if self.text.stopped:
+            return Decision(True, delta, "stop")
+        if self.count >= self.max_tokens:
+            return Decision(True, delta, "length")
+        return Decision(True, delta, None)
+
+    def finish(self) -> str:
+        """The held-back tail of the text, once the generation is over."""
+        return self.text.finish()

@@ -1,0 +1,60 @@
+"""Helpers the tests share (fixtures live in conftest.py; helpers are imported from here)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from runner.defaults import DEFAULT_DRAFT
+
+
+def collect(rounds):
+    """All token ids, the whole text and the final round of a generation."""
+    tokens, text, last = [], "", None
+    for last in rounds:
+        tokens += last.token_ids
+        text += last.text
+    return tokens, text, last
+
+
+def draft_with_swapped_vocabulary(folder):
+    """A copy of the default draft whose tokenizer has the same size but two ids swapped."""
+    shutil.copytree(DEFAULT_DRAFT, folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+def tiny_hybrid_model(folder, seed: int = 0):
+    """A tiny randomly initialised LFM2 (convolution layers with ArraysCache, attention layers with KVCache).
+
+    Its caches cannot all be trimmed, which is what the runner must notice. It
+    shares the default pair's tokenizer, so the default draft fits it by vocabulary.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import lfm2
+
+    from runner.defaults import DEFAULT_TARGET
+
+    config = {
+        "model_type": "lfm2", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048, "norm_eps": 1e-5,
+        "conv_bias": False, "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 128, "block_multiple_of": 32,
+        "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False, "full_attn_idxs": [1, 3],
+        "tie_word_embeddings": True,
+    }
+    mx.random.seed(seed)
+    model = lfm2.Model(lfm2.ModelArgs.from_dict(config))
+    # Larger weights than the default init, so greedy choices are clear-cut rather than near-ties.
+    model.update(tree_map(lambda w: w * 4 if w.ndim == 2 else w, model.parameters()))
+    mx.eval(model.parameters())
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_TARGET / name, folder / name)
+    return folder

@@ -1,0 +1,200 @@
+"""Real models: the imported SmolLM2-135M-Instruct, quantized and float32, a hybrid model, the GGUF importer.
+
+SmolLM2 comes from `make real-model` (which `make test` and CI run first): these
+tests need it and are never skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
+from runner.engine import Engine, EngineSettings
+from runner.protocol import runner_pb2
+from runner.request import GenerationRequest
+from tests.helpers import collect, tiny_hybrid_model
+from tests.processes import RunnerProcess, child_environment
+
+SMOLLM2_PARAMETERS = 134_515_008
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    assert (SMOLLM2_DIR / "config.json").is_file(), f"{SMOLLM2_DIR} is missing: run `make real-model`"
+    return SMOLLM2_DIR
+
+
+def chat_prompt(folder, messages) -> str:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    return load_tokenizer(folder).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def mlx_lm_greedy(model, prompt_ids, max_tokens: int) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    return [token for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens)]
+
+
+# -- the imported folder ------------------------------------------------------------------------------
+
+
+def test_imported_folder_is_an_mlx_lm_folder(smollm2):
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 32
+    assert config["quantization"]["model.embed_tokens"]["bits"] == 8  # the Q8_0 embedding stays 8-bit
+    assert config["tie_word_embeddings"] and not config["rope_traditional"]
+    tokenizer_config = json.loads((smollm2 / "tokenizer_config.json").read_text())
+    assert tokenizer_config["eos_token"] == "<|im_end|>" and "<|im_start|>" in tokenizer_config["chat_template"]
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(smollm2 / "tokenizer.json"))
+    assert tokenizer.encode("<|im_start|>user\n", add_special_tokens=False).ids[0] == 1  # one special token
+    text = "The capital of France is Paris, 2 + 2 = 4. Ünïcödé too."
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def write_gguf(path, architecture: str, tensors: dict):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    for name, (array, raw_dtype) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def bad_ggufs(folder):
+    import gguf
+
+    source = SMOLLM2_DIR.parent.parent / ".whl" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    truncated = folder / "truncated.gguf"
+    with open(source, "rb") as f:
+        truncated.write_bytes(f.read(5_000_000))
+    not_gguf = folder / "notes.gguf"
+    not_gguf.write_text("this is a text file, not a model\n" * 10)
+    qwen = write_gguf(folder / "qwen.gguf", "qwen2", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
+    k_quant = write_gguf(folder / "q6k.gguf", "llama", {
+        "token_embd.weight": (np.zeros((8, 32), np.float32), None),
+        "blk.0.attn_q.weight": (np.zeros((4, 210), np.uint8), gguf.GGMLQuantizationType.Q6_K),
+    })
+    return [(truncated, "extends past the end of the file"), (not_gguf, "is not a GGUF file"),
+            (qwen, "unsupported architecture 'qwen2'"), (k_quant, "unsupported quantization type Q6_K")]
+
+
+def test_importer_refuses_bad_files_with_one_clear_line(tmp_path):
+    for path, expected in bad_ggufs(tmp_path):
+        done = subprocess.run([sys.executable, "-m", "runner.gguf", str(path), str(tmp_path / "out")],
+                              capture_output=True, text=True, timeout=120, env=child_environment())
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, (path, done.stderr)
+        assert expected in lines[0] and lines[0].startswith("runner.gguf: "), lines[0]
+        assert not (tmp_path / "out" / "config.json").exists()
+
+
+# -- SmolLM2 in a runner started by its CLI ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_runner(smollm2, tmp_path_factory):
+    runner = RunnerProcess(tmp_path_factory.mktemp("smol") / "sockets", target=smollm2, draft=None,
+                           name="smollm2").wait_serving(180)
+    yield runner
+    assert runner.stop() == 0
+
+
+def test_runner_serves_smollm2_in_float32_on_the_cpu_and_says_what_it_is(smollm2_runner):
+    info = smollm2_runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
+    target = info.target
+    assert target.architecture == "llama" and target.parameters == SMOLLM2_PARAMETERS
+    assert target.quantization_bits == 4 and target.quantization_group_size == 32  # the checkpoint's
+    assert target.dtype == "float32" and "auto: float32 on the CPU" in info.dtype_reason
+    assert target.context_length == 8192 and target.vocab_size == 49152 and target.rewindable
+    assert not info.speculative and info.decoding == "no draft model" and info.num_draft_tokens == 0
+    assert 50 * 2**20 < info.runtime_rss < 400 * 2**20
+
+
+def test_smollm2_answers_a_chat_prompt(smollm2_runner, smollm2):
+    chunks = list(smollm2_runner.client.generate(timeout=120, prompt=chat_prompt(smollm2, CAPITAL), max_tokens=40))
+    text = "".join(c.text for c in chunks)
+    assert "Paris" in text, text
+    assert chunks[-1].finish_reason == runner_pb2.FINISH_REASON_STOP  # <|im_end|> ends the turn
+    assert "<|im_end|>" not in text
+
+
+@pytest.mark.parametrize("dtype", ["checkpoint", "float32"])
+def test_smollm2_greedy_equals_mlx_lm_generate_step(smollm2, dtype):
+    """Weights in the same form on both sides: kept 4-bit, or dequantized to float32."""
+    engine = Engine.load(smollm2, None, EngineSettings(dtype=dtype))
+    assert engine.target.is_quantized == (dtype == "checkpoint")
+    prompt_ids = engine.tokenizer.encode(chat_prompt(smollm2, STORY))
+    ours, _, last = collect(engine.generate(GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=210,
+                                                              ignore_eos=True)))
+    assert last.stats.generated_tokens == 210
+    assert ours == mlx_lm_greedy(engine.target.model, prompt_ids, 210)
+
+
+def test_a_draft_with_another_vocabulary_is_refused_at_start_up(smollm2, tmp_path):
+    runner = RunnerProcess(tmp_path / "sockets", target=smollm2, draft=DEFAULT_DRAFT)
+    assert runner.process.wait(180) == 2
+    problems = [line for line in runner.stderr.splitlines() if line.startswith("runner:")]
+    assert len(problems) == 1, runner.stderr
+    assert "draft's tokenizer differs from the target's" in problems[0] and "4096 vs 49152 tokens" in problems[0]
+
+
+def test_max_context_lowers_the_context(tmp_path):
+    runner = RunnerProcess(tmp_path / "sockets", "--max-context", "512").wait_serving()
+    try:
+        assert runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5).target.context_length == 512
+        with pytest.raises(grpc.RpcError) as caught:
+            list(runner.client.generate(timeout=30, prompt_ids=[7] * 600, max_tokens=4))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context of 512" in caught.value.details()
+        chunks = list(runner.client.generate(timeout=30, prompt_ids=[7] * 500, max_tokens=100, ignore_eos=True))
+        assert chunks[-1].stats.generated_tokens == 12  # the room left in the context
+        assert chunks[-1].finish_reason == runner_pb2.FINISH_REASON_LENGTH
+    finally:
+        assert runner.stop() == 0
+
+
+# -- a model whose caches cannot be rewound -------------------------------------------------------------
+
+
+def test_hybrid_model_serves_plain_decoding_and_says_so(tmp_path):
+    folder = tiny_hybrid_model(tmp_path / "hybrid")
+    runner = RunnerProcess(tmp_path / "sockets", target=folder, draft=DEFAULT_DRAFT).wait_serving()
+    try:
+        info = runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
+        assert not info.speculative and "cannot be rewound" in info.decoding and "ArraysCache" in info.decoding
+        assert info.num_draft_tokens == 0 and not info.target.rewindable and info.draft.rewindable
+        assert "speculative decoding is off" in runner.stderr
+        prompt = "The for statement is used to iterate over"
+        chunks = list(runner.client.generate(timeout=60, prompt=prompt, max_tokens=80, ignore_eos=True,
+                                             num_draft_tokens=3))
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert chunks[-1].stats.drafted == 0
+    finally:
+        assert runner.stop() == 0
+    from mlx_lm import load
+
+    model, tokenizer = load(str(folder))
+    model.set_dtype(mx.float32)
+    assert tokens == mlx_lm_greedy(model, tokenizer.encode(prompt), 80)
+
+
+def test_default_pair_still_speculates(engine):
+    assert engine.speculative and engine.default_num_draft_tokens == 1
+    assert engine.target.path == DEFAULT_TARGET and engine.target.compute_dtype == "float32"
