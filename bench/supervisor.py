@@ -1,4 +1,5 @@
-"""Through the supervisor vs straight to the runner vs in-process; the supervisor's CPU while watching N runners."""
+"""Through the supervisor (gRPC and the OpenAI HTTP API) vs straight to the runner vs in-process;
+the supervisor's CPU while watching N runners, its RSS and the CLI's start-up time."""
 
 from __future__ import annotations
 
@@ -33,12 +34,45 @@ def through_supervisor(client: SupervisorClient, model: str) -> tuple[float, flo
     return tokens / seconds, ttft / len(PROMPTS)
 
 
-def start_supervisor(folder: Path, n_models: int, port: int) -> subprocess.Popen:
+def through_http(base_url: str, model: str) -> tuple[float, float]:
+    """The official OpenAI client, streaming completions; tok/s from the usage the stream ends with."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="none", max_retries=0)
+    tokens, seconds, ttft = 0, 0.0, 0.0
+    for prompt in PROMPTS:
+        start = time.perf_counter()
+        first = None
+        for event in client.completions.create(model=model, prompt=prompt, max_tokens=TOKENS, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True}):
+            if event.choices and event.choices[0].text:
+                first = first or time.perf_counter()
+            if event.usage is not None:
+                tokens += event.usage.completion_tokens
+        seconds += time.perf_counter() - first
+        ttft += first - start
+    return tokens / seconds, ttft / len(PROMPTS)
+
+
+def start_supervisor(folder: Path, n_models: int, port: int, http_port: int = 0) -> subprocess.Popen:
     models = "".join(f'[models.m{i}]\ntarget = "{DEFAULT_TARGET}"\ndraft = "{DEFAULT_DRAFT}"\n' for i in range(n_models))
     config = folder / f"bench-{n_models}.toml"
-    config.write_text(f'listen = "127.0.0.1:{port}"\nprobe_port = 0\nruntime_dir = "{folder}/run{n_models}"\n{models}')
+    http = f"127.0.0.1:{http_port}" if http_port else ""
+    config.write_text(f'listen = "127.0.0.1:{port}"\nhttp_listen = "{http}"\nprobe_port = 0\n'
+                      f'runtime_dir = "{folder}/run{n_models}"\n{models}')
     return subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "--config", str(config)],
                             stderr=subprocess.DEVNULL, env=fast_blas_environment())
+
+
+def cli_start_up(port: int) -> float:
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "supervisor", "models", "--address", f"127.0.0.1:{port}"],
+                       check=True, capture_output=True, env=fast_blas_environment())
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def idle_cpu_share(process: subprocess.Popen, seconds: float = 5.0) -> float:
@@ -55,16 +89,21 @@ def run() -> None:
     engine.warm_up()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        port = free_port()
-        sup = start_supervisor(folder, 1, port)
+        port, http_port = free_port(), free_port()
+        sup = start_supervisor(folder, 1, port, http_port)
         client = SupervisorClient(f"127.0.0.1:{port}")
         try:
             assert client.wait_serving(120)
             runner = RunnerClient(f"unix://{folder}/run1/m0.sock")
             through_supervisor(client, "m0")  # warm-up
+            base_url = f"http://127.0.0.1:{http_port}/v1"
+            through_http(base_url, "m0")
             rows = [("engine in-process", *in_process(engine)),
                     ("runner over gRPC", *over_grpc(runner)),
-                    ("through the supervisor", *through_supervisor(client, "m0"))]
+                    ("through the supervisor, gRPC", *through_supervisor(client, "m0")),
+                    ("through the supervisor, OpenAI HTTP API (openai client, SSE)", *through_http(base_url, "m0"))]
+            supervisor_rss = psutil.Process(sup.pid).memory_info().rss
+            cli = cli_start_up(port)
         finally:
             sup.terminate()
             sup.wait()
@@ -84,6 +123,8 @@ def run() -> None:
     print("| --- | --- | --- | --- | --- |")
     for name, rate, ttft in rows:
         print(f"| {name} | {rate:.0f} | {rate / base_rate:.2f}x | {ttft * 1000:.1f} ms | {ttft / base_ttft:.2f}x |")
+    print(f"\nSupervisor RSS while serving one model: {supervisor_rss / 2**20:.0f} MiB; "
+          f"`python -m supervisor models` start to exit: {cli:.2f} s (best of 3). Neither loads MLX.")
     print("\n| runners watched (1 s memory samples, 2 s health checks) | supervisor CPU while idle |")
     print("| --- | --- |")
     for n, share in cpu:

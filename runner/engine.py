@@ -71,6 +71,8 @@ class GenerationStats:
     cache_memory: int = 0
     peak_memory: int = 0
     prefill_chunks: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens reused from the prompt cache
+    drafter: str = "none"  # what proposed the drafts
 
     @property
     def acceptance_rate(self) -> float:
@@ -90,6 +92,14 @@ class GenerationStats:
 
 
 @dataclass
+class TokenLogprob:
+    token: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # most likely first
+
+
+@dataclass
 class Round:
     """What one round emitted. The last round carries finish_reason and stats."""
 
@@ -99,6 +109,32 @@ class Round:
     accepted: int = 0
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asks
+
+
+def token_logprobs(tokenizer, logits: mx.array, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Log-probabilities of ``tokens`` under the rows of ``logits`` that chose them (row i for token i),
+    and the ``top`` most likely tokens of each row. The target's raw distribution: no temperature or filters."""
+    if not tokens:
+        return []
+    rows = logits[: len(tokens)].astype(mx.float32)
+    logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    top_ids = top_values = None
+    if top:
+        top_ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+        top_values = mx.take_along_axis(logprobs, top_ids, axis=-1)
+        mx.eval(chosen, top_ids, top_values)
+    else:
+        mx.eval(chosen)
+    result = []
+    for i, (token, value) in enumerate(zip(tokens, chosen.tolist())):
+        alternatives = []
+        if top:
+            pairs = sorted(zip(top_ids[i].tolist(), top_values[i].tolist()), key=lambda p: -p[1])
+            alternatives = [(t, tokenizer.decode([t]), v) for t, v in pairs]
+        result.append(TokenLogprob(token, tokenizer.decode([token]), value, alternatives))
+    return result
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -221,7 +257,8 @@ class Engine:
                            mx.random.key(prepared.seed))
         stopping = StoppingCriteria(self.tokenizer, prepared.eos_ids, prepared.request.stop, prepared.max_tokens)
         schedule = ReleaseSchedule(self.release_memory, self.settings.release_interval, self.settings.release_enabled)
-        stats = GenerationStats(prompt_tokens=len(prepared.prompt_ids))
+        stats = GenerationStats(prompt_tokens=len(prepared.prompt_ids),
+                                drafter="model" if decoder.k > 0 else "none")
         max_tokens = prepared.max_tokens
 
         mx.reset_peak_memory()
@@ -246,6 +283,8 @@ class Engine:
                     if decision.finish_reason is not None:
                         finish_reason = decision.finish_reason
                         break
+                logprobs = (token_logprobs(self.tokenizer, decoder.logits, emitted, prepared.top_logprobs)
+                            if prepared.logprobs else [])
                 before = stats.generated_tokens
                 stats.generated_tokens += len(emitted)
                 stats.rounds += 1
@@ -255,9 +294,9 @@ class Engine:
                     stats.time_to_first_token = time.perf_counter() - start
                 schedule.after_round(before, stats.generated_tokens)
                 if finish_reason is None:
-                    yield Round(emitted, delta, drafted, accepted)
+                    yield Round(emitted, delta, drafted, accepted, logprobs=logprobs)
                 else:
-                    final_round = Round(emitted, delta, drafted, accepted)
+                    final_round = Round(emitted, delta, drafted, accepted, logprobs=logprobs)
         finally:
             decoder.close()
             schedule.at_end()
@@ -299,6 +338,7 @@ class _Decoder:
         self.draft_cache = make_prompt_cache(self.draft) if self.draft is not None else None
         self.pending = prompt_ids[-1]
         self.draft_backlog: list[int] = []
+        self.logits: mx.array | None = None
 
     def prefill(self, planner: PrefillPlanner, between=lambda: False, sizes: list | None = None) -> bool:
         """Run the prompt (all but its last token) through both models in planned chunks.
@@ -333,6 +373,7 @@ class _Decoder:
         if k > 0:
             verify_input = mx.concatenate([verify_input, draft_tokens.astype(mx.uint32)])
         logits = self.target(verify_input[None], cache=self.target_cache)[0]
+        self.logits = logits  # row i chose the i-th token of this round
         if k == 0:
             next_token = self._choose(logits[-1], verify_key)
             mx.eval(next_token)

@@ -17,6 +17,11 @@ from .sampling import SamplingParams
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 256
+MAX_TOP_LOGPROBS = 20
+ROLES = ("system", "user", "assistant", "tool")
+# End-of-turn tokens of common chat templates; a template that writes one of them ends a turn with it.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eot|>", "<|END_OF_TURN_TOKEN|>",
+               "</s>", "<|endoftext|>", "<｜end▁of▁sentence｜>")
 # A text longer than this many characters per token of context cannot fit: refused before tokenizing.
 MAX_CHARS_PER_TOKEN = 32
 
@@ -35,6 +40,11 @@ class GenerationRequest:
     num_draft_tokens: int | None = None  # None = the engine's setting; 0 = no drafting
     ignore_eos: bool = False
     request_id: str = ""
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content): laid out by the chat template
+    chat_template_kwargs: dict | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    drafter: str = ""  # "" = the engine's setting
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,8 @@ class PreparedRequest:
     max_tokens: int  # capped by the room left in the context
     seed: int
     eos_ids: frozenset[int]
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def request_id(self) -> str:
@@ -74,16 +86,47 @@ def validate_fields(request: GenerationRequest) -> None:
         raise InvalidRequest("stop", f"each stop string is at most {MAX_STOP_LENGTH} characters")
     if request.num_draft_tokens is not None and not 0 <= request.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
         raise InvalidRequest("num_draft_tokens", f"must lie in [0, {MAX_NUM_DRAFT_TOKENS}]")
+    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest("top_logprobs", f"must lie in [0, {MAX_TOP_LOGPROBS}]")
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidRequest("top_logprobs", "needs logprobs")
+
+
+def chat_ids(request: GenerationRequest, tokenizer, context_length: int) -> list[int]:
+    """The conversation laid out by the model's chat template, ready for the assistant's turn."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise InvalidRequest("messages", "this model has no chat template: send a prompt instead")
+    for index, (role, _) in enumerate(request.messages):
+        if role not in ROLES:
+            raise InvalidRequest("messages", f"message {index}: role {role!r} is not one of {', '.join(ROLES)}")
+    if sum(len(content) for _, content in request.messages) > context_length * MAX_CHARS_PER_TOKEN:
+        raise InvalidRequest("messages", f"cannot fit the context of {context_length} tokens")
+    conversation = [{"role": role, "content": content} for role, content in request.messages]
+    try:
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                            **(request.chat_template_kwargs or {}))
+    except Exception as error:  # noqa: BLE001 - a template raises whatever it likes (jinja2, TypeError, ...)
+        raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
+    return [int(t) for t in ids]
+
+
+def end_of_turn_ids(tokenizer) -> frozenset[int]:
+    """Tokens the chat template ends a turn with (for SmolLM2 ``<|im_end|>``)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return frozenset()
+    vocab = tokenizer.get_vocab()
+    return frozenset(vocab[token] for token in END_OF_TURN if token in template and token in vocab)
 
 
 def prompt_ids_of(request: GenerationRequest, tokenizer, vocab_size: int, context_length: int) -> list[int]:
+    if request.messages:
+        return chat_ids(request, tokenizer, context_length)
     if request.prompt_ids:
         ids = [int(t) for t in request.prompt_ids]
         if any(t < 0 or t >= vocab_size for t in ids):
             raise InvalidRequest("prompt_ids", f"token ids must lie in [0, {vocab_size})")
         return ids
-    if not request.prompt:
-        raise InvalidRequest("prompt", "must not be empty")
     if len(request.prompt) > context_length * MAX_CHARS_PER_TOKEN:
         raise InvalidRequest("prompt", f"{len(request.prompt)} characters cannot fit the context of "
                                        f"{context_length} tokens")
@@ -93,13 +136,22 @@ def prompt_ids_of(request: GenerationRequest, tokenizer, vocab_size: int, contex
 def prepare(request: GenerationRequest, *, tokenizer, vocab_size: int, context_length: int,
             default_num_draft_tokens: int, can_draft: bool) -> PreparedRequest:
     """Validate and tokenize ``request`` once; raises InvalidRequest naming the field."""
-    if not request.prompt and not request.prompt_ids:
-        raise InvalidRequest("prompt", "must not be empty")
+    if not request.prompt and not request.prompt_ids and not request.messages:
+        raise InvalidRequest("prompt", "must not be empty (set prompt, prompt_ids or messages)")
+    if request.messages and (request.prompt or request.prompt_ids):
+        raise InvalidRequest("messages", "set one of prompt, prompt_ids and messages")
+    if request.prompt and request.prompt_ids:
+        raise InvalidRequest("prompt", "set prompt or prompt_ids, not both")
     validate_fields(request)
     prompt_ids = prompt_ids_of(request, tokenizer, vocab_size, context_length)
     if len(prompt_ids) >= context_length:
         raise InvalidRequest("prompt", f"{len(prompt_ids)} tokens do not fit the context of {context_length}")
+    if not prompt_ids:
+        raise InvalidRequest("prompt", "is empty once tokenized")
     k = default_num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
+    eos_ids = frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids)
+    if request.messages and not request.ignore_eos:
+        eos_ids |= end_of_turn_ids(tokenizer)
     return PreparedRequest(
         request=request,
         prompt_ids=prompt_ids,
@@ -107,5 +159,7 @@ def prepare(request: GenerationRequest, *, tokenizer, vocab_size: int, context_l
         num_draft_tokens=k if can_draft else 0,
         max_tokens=min(request.max_tokens, context_length - len(prompt_ids)),
         seed=request.seed if request.seed is not None else secrets.randbits(63),
-        eos_ids=frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids),
+        eos_ids=eos_ids,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
     )

@@ -16,17 +16,19 @@ from concurrent import futures
 import grpc
 import mlx.core as mx
 import psutil
+from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import __version__
 from .defaults import CHANNEL_OPTIONS, DEFAULT_MAX_QUEUE, DEFAULT_STALL_AFTER
 from .engine import Engine, GenerationStats, Round
-from .errors import InvalidRequest
+from .errors import NotReady
 from .loading import LoadedModel
 from .request import GenerationRequest
+from .status import ServiceError, StatusInterceptor
 from .protocol import runner_pb2, runner_pb2_grpc
-from .worker import MlxWorker, QueueFull, WorkerStopped
+from .worker import MlxWorker
 
 log = logging.getLogger("runner")
 
@@ -39,8 +41,6 @@ FINISH_REASONS = {
 
 
 def request_from_proto(message: runner_pb2.GenerateRequest) -> GenerationRequest:
-    if message.prompt and message.prompt_ids:
-        raise InvalidRequest("prompt", "set prompt or prompt_ids, not both")
     return GenerationRequest(
         prompt=message.prompt,
         prompt_ids=tuple(message.prompt_ids),
@@ -54,6 +54,12 @@ def request_from_proto(message: runner_pb2.GenerateRequest) -> GenerationRequest
         num_draft_tokens=message.num_draft_tokens if message.HasField("num_draft_tokens") else None,
         ignore_eos=message.ignore_eos,
         request_id=message.request_id,
+        messages=tuple((m.role, m.content) for m in message.messages),
+        chat_template_kwargs=(json_format.MessageToDict(message.chat_template_kwargs)
+                              if message.HasField("chat_template_kwargs") else None),
+        logprobs=message.logprobs,
+        top_logprobs=message.top_logprobs,
+        drafter=message.drafter,
     )
 
 
@@ -65,12 +71,15 @@ def stats_to_proto(s: GenerationStats) -> runner_pb2.GenerationStats:
         prefill_s=s.prefill_seconds, decode_s=s.decode_seconds, tokens_per_second=s.tokens_per_second,
         releases=s.releases, release_positions=s.release_positions,
         active_memory=s.active_memory, cache_memory=s.cache_memory, peak_memory=s.peak_memory,
-        prefill_chunks=s.prefill_chunks,
+        prefill_chunks=s.prefill_chunks, cached_tokens=s.cached_tokens, drafter=s.drafter,
     )
 
 
 def chunk_to_proto(r: Round) -> runner_pb2.GenerateChunk:
     chunk = runner_pb2.GenerateChunk(text=r.text, token_ids=r.token_ids, drafted=r.drafted, accepted=r.accepted)
+    for entry in r.logprobs:
+        chunk.logprobs.add(token_id=entry.token, token=entry.text, logprob=entry.logprob,
+                           top=[runner_pb2.TopLogprob(token_id=t, token=text, logprob=v) for t, text, v in entry.top])
     if r.finish_reason is not None:
         chunk.finish_reason = FINISH_REASONS[r.finish_reason]
     if r.stats is not None:
@@ -107,38 +116,25 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         self.worker: MlxWorker | None = None
         self._process = psutil.Process()
 
-    def _ready(self, context) -> MlxWorker:
+    def _ready(self) -> MlxWorker:
         if self.worker is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"runner {self.name}: models are still loading")
+            raise NotReady(f"runner {self.name}: models are still loading")
         return self.worker
 
     def Generate(self, message, context):
-        worker = self._ready(context)
-        try:
-            prepared = self.engine.prepare(request_from_proto(message))  # checked once, before it queues
-            job = worker.submit(prepared)
-        except InvalidRequest as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except QueueFull:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"runner {self.name}: {worker.max_queue} requests already waiting")
-        except WorkerStopped:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"runner {self.name}: shutting down")
+        # Errors are raised, never aborted here: StatusInterceptor gives each its status.
+        worker = self._ready()
+        prepared = self.engine.prepare(request_from_proto(message))  # checked and tokenized once, before it queues
+        job = worker.submit(prepared)
         context.add_callback(job.cancel)  # client gone or deadline passed
         try:
             for round_ in job.results():
                 yield chunk_to_proto(round_)
-        except InvalidRequest as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        except WorkerStopped:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"runner {self.name}: shutting down")
-        except Exception as error:  # noqa: BLE001
-            context.abort(grpc.StatusCode.INTERNAL, f"runner {self.name}: engine failure: {type(error).__name__}: {error}")
         finally:
             job.cancel()
 
     def Info(self, message, context):
-        self._ready(context)
+        self._ready()
         engine = self.engine
         response = runner_pb2.InfoResponse(
             name=self.name, target=model_info(engine.target), device=mx.default_device().type.name,
@@ -163,24 +159,26 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         )
 
     def ReleaseMemory(self, message, context):
-        worker = self._ready(context)
+        worker = self._ready()
         before, after = worker.call(self.engine.release_memory).result()
         log.info("pool released on request: %d -> %d bytes", before, after)
         return runner_pb2.ReleaseMemoryResponse(cache_before=before, cache_after=after)
 
-    def DebugBlock(self, message, context):
-        worker = self._ready(context)
+    def _debug(self) -> MlxWorker:
+        worker = self._ready()
         if not self.debug_rpcs:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "debug RPCs are off (start the runner with --debug-rpcs)")
+            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED, "debug RPCs are off (start the runner with --debug-rpcs)")
+        return worker
+
+    def DebugBlock(self, message, context):
+        worker = self._debug()
         log.warning("debug: blocking the MLX thread for %.1f s", message.seconds)
         worker.call(lambda: time.sleep(message.seconds))  # not awaited: the caller returns at once
         return runner_pb2.DebugBlockResponse()
 
 
     def DebugExit(self, message, context):
-        worker = self._ready(context)
-        if not self.debug_rpcs:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "debug RPCs are off (start the runner with --debug-rpcs)")
+        worker = self._debug()
         log.warning("debug: exiting with code %d", message.code)
         worker.call(lambda: os._exit(message.code))  # a fake crash: no cleanup, like a real one
         return runner_pb2.DebugExitResponse()
@@ -199,7 +197,8 @@ class RunnerServer:
         self.health = health.HealthServicer()
         # Handler threads: one per queued or running stream, plus room for health and memory probes.
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_queue + 16, thread_name_prefix="grpc"),
-                                  options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_queue + 64)
+                                  options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_queue + 64,
+                                  interceptors=[StatusInterceptor()])
         runner_pb2_grpc.add_RunnerServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -218,7 +217,7 @@ class RunnerServer:
     def attach(self, engine: Engine, on_fatal) -> None:
         """Models are loaded: start the MLX thread and report SERVING."""
         self.service.engine = engine
-        worker = MlxWorker(engine, self.max_queue, on_fatal=on_fatal)
+        worker = MlxWorker(engine, self.max_queue, on_fatal=on_fatal, name=self.service.name)
         worker.start()
         self.service.worker = worker
         self._set_health(health_pb2.HealthCheckResponse.SERVING)

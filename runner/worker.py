@@ -17,18 +17,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .engine import Engine, Round
-from .errors import EngineError
+from .errors import EngineError, QueueFull, WorkerStopped
 from .request import PreparedRequest
 
 log = logging.getLogger("runner")
-
-
-class QueueFull(Exception):
-    """No room for another waiting request."""
-
-
-class WorkerStopped(Exception):
-    """The worker is shutting down and takes no more work."""
 
 
 @dataclass
@@ -52,8 +44,9 @@ class GenerationJob:
 
 
 class MlxWorker:
-    def __init__(self, engine: Engine, max_queue: int, on_fatal=None):
+    def __init__(self, engine: Engine, max_queue: int, on_fatal=None, name: str = "runner"):
         self.engine = engine
+        self.name = name
         self.max_queue = max_queue
         self._on_fatal = on_fatal or (lambda error: None)
         self._lock = threading.Condition()
@@ -73,9 +66,10 @@ class MlxWorker:
         job = GenerationJob(request)
         with self._lock:
             if self._stopping:
-                raise WorkerStopped()
-            if len(self._jobs) >= self.max_queue:
-                raise QueueFull()
+                raise WorkerStopped(f"runner {self.name}: shutting down")
+            waiting = len(self._jobs) - (0 if self._current is not None else 1)  # an idle thread takes one at once
+            if waiting >= self.max_queue:
+                raise QueueFull(f"runner {self.name}: {self.max_queue} requests already waiting")
             self._jobs.append(job)
             self._lock.notify()
         return job
@@ -85,7 +79,7 @@ class MlxWorker:
         future: Future = Future()
         with self._lock:
             if self._stopping and not self._thread.is_alive():
-                raise WorkerStopped()
+                raise WorkerStopped(f"runner {self.name}: shutting down")
             self._controls.append((fn, future))
             self._lock.notify()
         return future
@@ -107,7 +101,7 @@ class MlxWorker:
             running = self._current
             self._lock.notify()
         for job in waiting:
-            job.rounds.put(WorkerStopped())
+            job.rounds.put(WorkerStopped(f"runner {self.name}: shutting down"))
         if cancel_running and running is not None:
             running.cancel()
 

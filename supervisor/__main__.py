@@ -1,4 +1,4 @@
-"""python -m supervisor serve [--config FILE] | generate --model NAME PROMPT | models | memory | status"""
+"""python -m supervisor serve [--config FILE] | chat --model NAME | generate --model NAME PROMPT | models | memory | status"""
 
 from __future__ import annotations
 
@@ -96,10 +96,15 @@ def main(argv=None) -> int:
     serve_parser = commands.add_parser("serve", help="run the supervisor")
     serve_parser.add_argument("--config", help="TOML file (default: serve the embedded default pair)")
     serve_parser.add_argument("--sample-request", action="store_true", help="answer one sample request once ready")
-    for name in ("generate", "models", "memory", "status"):
+    for name in ("chat", "generate", "models", "memory", "status"):
         sub = commands.add_parser(name)
         sub.add_argument("--address", default=DEFAULT_LISTEN)
         sub.add_argument("--token", default="", help="bearer token, when the supervisor requires one")
+        if name == "chat":
+            sub.add_argument("--model", default="")
+            sub.add_argument("--system", default="", help="a system message that opens the conversation")
+            sub.add_argument("--max-tokens", type=int, default=1024)
+            sub.add_argument("--temperature", type=float, default=0.0)
         if name == "generate":
             sub.add_argument("--model", default="")
             sub.add_argument("--max-tokens", type=int, default=200)
@@ -109,6 +114,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "chat":
+        from .chat import main as chat
+
+        return chat(args)
     return client_command(args)
 
 

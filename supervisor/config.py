@@ -1,6 +1,7 @@
 """The supervisor's configuration: a TOML file, or the zero-config default pair.
 
     listen = "127.0.0.1:50051"        # or "unix:///path"; non-loopback needs allow_remote
+    http_listen = "127.0.0.1:8080"    # the OpenAI-compatible HTTP API ("" = off); same loopback, token and TLS rules
     probe_port = 9464                 # HTTP /healthz /readyz /metrics on 127.0.0.1 (0 = off)
     runtime_dir = "/run/mlxserve"     # runner sockets (default: a private folder under /tmp)
     max_loaded = 2                    # runners alive at once; least recently used idle one is evicted
@@ -37,6 +38,7 @@ from runner.defaults import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_GRACE, DEFAUL
                              MAX_NUM_DRAFT_TOKENS)
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
+DEFAULT_HTTP_LISTEN = "127.0.0.1:8080"
 DEFAULT_PROBE_PORT = 9464
 
 
@@ -70,6 +72,7 @@ class ModelConfig:
 class SupervisorConfig:
     models: dict[str, ModelConfig]
     listen: str = DEFAULT_LISTEN
+    http_listen: str = DEFAULT_HTTP_LISTEN
     probe_port: int = DEFAULT_PROBE_PORT
     runtime_dir: Path = field(default_factory=lambda: default_runtime_dir())
     max_loaded: int = 0  # 0 = as many as there are models
@@ -224,6 +227,14 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
     allow_remote = _take(data, "allow_remote", "", bool, False)
     if not is_loopback(listen) and not allow_remote:
         raise ConfigError("listen", f"{listen} is not a loopback address: set allow_remote = true to bind it")
+    http_listen = _take(data, "http_listen", "", str, DEFAULT_HTTP_LISTEN)
+    if http_listen:
+        host, _, port = http_listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError("http_listen", f"{http_listen!r} is not HOST:PORT")
+        if not is_loopback(http_listen) and not allow_remote:
+            raise ConfigError("http_listen", f"{http_listen} is not a loopback address: set allow_remote = true "
+                                             "to bind it")
     probe_port = _take(data, "probe_port", "", int, DEFAULT_PROBE_PORT)
     if not 0 <= probe_port <= 65535:
         raise ConfigError("probe_port", "must lie in [0, 65535]")
@@ -249,7 +260,7 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
             if timings[key] < 1:
                 raise ConfigError(key, "must be at least 1")
     config = SupervisorConfig(
-        models=models, listen=listen, probe_port=probe_port, runtime_dir=runtime_dir, max_loaded=max_loaded,
+        models=models, listen=listen, http_listen=http_listen, probe_port=probe_port, runtime_dir=runtime_dir, max_loaded=max_loaded,
         allow_remote=allow_remote, auth_token=_take(data, "auth_token", "", str, ""),
         tls_cert=base / tls_cert if tls_cert else None, tls_key=base / tls_key if tls_key else None, **timings,
     )

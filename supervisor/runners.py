@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import re
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ from .config import ModelConfig, SupervisorConfig
 
 log = logging.getLogger("supervisor")
 STDERR_TAIL_LINES = 40
+INFO_LINE = re.compile(r"runner\[[^\]]*\] (INFO|DEBUG) ")  # the runner's own log format (runner/__main__.py)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -106,7 +108,8 @@ class ManagedRunner:
         return self.state in (State.STARTING, State.SERVING, State.DRAINING, State.BACKOFF)
 
     def stderr_summary(self, lines: int = 5) -> str:
-        tail = [line for line in self.stderr_tail if line.strip()][-lines:]
+        """The runner's last words that matter: its warnings, errors and tracebacks, not its INFO log lines."""
+        tail = [line.strip() for line in self.stderr_tail if line.strip() and not INFO_LINE.search(line)][-lines:]
         return " | ".join(tail)
 
     # -- requests from the scheduler, service and memory watch ---------------

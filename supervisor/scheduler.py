@@ -15,20 +15,13 @@ import time
 
 import grpc
 
+from runner.status import ServiceError
+
 from .config import SupervisorConfig
 from .memory import AdmissionRefused, Estimates, admit
 from .runners import ManagedRunner, State
 
 log = logging.getLogger("supervisor")
-
-
-class ServiceError(Exception):
-    """An error with the gRPC status the public API answers with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class Scheduler:
@@ -56,7 +49,7 @@ class Scheduler:
     def runner(self, name: str) -> ManagedRunner:
         if name not in self.runners:
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"no model named {name!r}; configured: {', '.join(sorted(self.runners))}")
+                               f"no model named {name!r}; configured: {', '.join(sorted(self.runners))}", "model")
         return self.runners[name]
 
     def load(self, name: str, wait: bool = True, timeout: float | None = None) -> ManagedRunner:
@@ -70,7 +63,10 @@ class Scheduler:
                     raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
                 runner.start()
         if wait:
-            state = runner.wait_serving(timeout if timeout is not None else self.config.startup_timeout)
+            # No deadline (gRPC says ~2**63 s): as long as a runner may take to start.
+            if timeout is None or timeout > self.config.startup_timeout + self.config.restart_backoff_cap:
+                timeout = self.config.startup_timeout + self.config.restart_backoff_cap
+            state = runner.wait_serving(timeout)
             if state != State.SERVING:
                 self._raise_for(runner)
         return runner

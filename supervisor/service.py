@@ -15,101 +15,46 @@ from grpc_reflection.v1alpha import reflection
 
 from runner import __version__
 from runner.defaults import CHANNEL_OPTIONS
-from runner.protocol import runner_pb2
+from runner.status import StatusInterceptor
 
 from .config import SupervisorConfig
+from .generation import Generation
 from .memory import MemoryWatch, RunnerMemory
 from .probes import Metrics, ProbeServer
 from .protocol import supervisor_pb2, supervisor_pb2_grpc
 from .runners import ManagedRunner, State
-from .scheduler import Scheduler, ServiceError
+from .scheduler import Scheduler
 
 log = logging.getLogger("supervisor")
 
 SERVICE_NAME = supervisor_pb2.DESCRIPTOR.services_by_name["Supervisor"].full_name
 STATES = {s: getattr(supervisor_pb2, f"RUNNER_STATE_{s.name}") for s in State}
-# Runner answers passed through unchanged: they are about the request, not the runner.
-PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.PERMISSION_DENIED}
 
 
 class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
+    """Handlers raise ServiceError; StatusInterceptor gives each its gRPC status."""
+
     def __init__(self, supervisor: "Supervisor"):
         self.sup = supervisor
 
     def Generate(self, request, context):
-        sup = self.sup
-        name = request.model or (next(iter(sup.scheduler.runners)) if len(sup.scheduler.runners) == 1 else "")
-        code = "OK"
-        try:
-            with sup.scheduler.acquire(name, timeout=context.time_remaining()) as runner:
-                forwarded = runner_pb2.GenerateRequest.FromString(request.SerializeToString())
-                forwarded.DiscardUnknownFields()  # the model field; all others share their numbers
-                started = time.perf_counter()
-                call = runner.client.stub.Generate(forwarded, timeout=context.time_remaining())
-                runner.track(call)
-                context.add_callback(call.cancel)
-                first = True
-                try:
-                    for chunk in call:
-                        if first:
-                            sup.metrics.ttft.labels(name).observe(time.perf_counter() - started)
-                            first = False
-                        if chunk.HasField("stats"):
-                            sup.metrics.tokens.labels(name).inc(chunk.stats.generated_tokens)
-                            sup.metrics.acceptance.labels(name).set(chunk.stats.acceptance_rate)
-                        yield chunk
-                except grpc.RpcError as error:
-                    raise self._client_error(runner, call, error, context) from None
-                finally:
-                    runner.untrack(call)
-        except ServiceError as error:
-            code = error.code.name
-            if context.is_active():
-                context.abort(error.code, error.message)
-        finally:
-            if not context.is_active() and code == "OK":
-                code = "CANCELLED"
-            sup.metrics.requests.labels(name or "-", code).inc()
-
-    def _client_error(self, runner: ManagedRunner, call, error: grpc.RpcError, context) -> ServiceError:
-        code = error.code()
-        if runner.failure_for(call) is None and code in PASSED_THROUGH:
-            return ServiceError(code, error.details())
-        if not context.is_active():
-            return ServiceError(grpc.StatusCode.CANCELLED, "client went away")
-        # The runner went away under the request: say which model and why.
-        if runner.failure_for(call) is None:
-            runner.exited.wait(1.0)
-        failure = runner.failure_for(call)
-        if failure is not None:
-            return ServiceError(*failure)
-        return ServiceError(grpc.StatusCode.UNAVAILABLE, f"model {runner.name}: {error.details()}")
+        generation = self.sup.generate(request, timeout=context.time_remaining())
+        context.add_callback(generation.cancel)  # client gone or deadline passed
+        yield from generation
 
     def ListModels(self, request, context):
         return supervisor_pb2.ListModelsResponse(models=[self.sup.status(r) for r in self.sup.scheduler.runners.values()])
 
     def LoadModel(self, request, context):
-        try:
-            runner = self.sup.scheduler.load(request.model, wait=True, timeout=context.time_remaining())
-        except ServiceError as error:
-            context.abort(error.code, error.message)
-        return self.sup.status(runner)
+        return self.sup.status(self.sup.scheduler.load(request.model, wait=True, timeout=context.time_remaining()))
 
     def UnloadModel(self, request, context):
-        try:
-            runner = self.sup.scheduler.unload(request.model)
-        except ServiceError as error:
-            context.abort(error.code, error.message)
-        return self.sup.status(runner)
+        return self.sup.status(self.sup.scheduler.unload(request.model))
 
     def GetMemory(self, request, context):
         runners = self.sup.scheduler.runners
         if request.model:
-            try:
-                selected = [self.sup.scheduler.runner(request.model)]
-            except ServiceError as error:
-                context.abort(error.code, error.message)
+            selected = [self.sup.scheduler.runner(request.model)]
         else:
             selected = list(runners.values())
         vm = psutil.virtual_memory()
@@ -148,12 +93,14 @@ class Supervisor:
     def __init__(self, config: SupervisorConfig):
         self.config = config
         self.started = time.monotonic()
+        self.started_at = time.time()
+        self.shutting_down = threading.Event()
         self.metrics = Metrics()
         self.health = health.HealthServicer()
         prepare_runtime_dir(config.runtime_dir)
         self.scheduler = Scheduler(config, on_change=self._on_runner_change)
         self.memory = MemoryWatch(self.scheduler.runners, config.memory_period, on_sample=self._on_memory)
-        interceptors = [BearerToken(config.auth_token)] if config.auth_token else []
+        interceptors = ([BearerToken(config.auth_token)] if config.auth_token else []) + [StatusInterceptor()]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="public"),
                                   options=CHANNEL_OPTIONS, interceptors=interceptors, maximum_concurrent_rpcs=256)
         supervisor_pb2_grpc.add_SupervisorServicer_to_server(SupervisorService(self), self.server)
@@ -170,7 +117,17 @@ class Supervisor:
             raise OSError(f"cannot listen on {config.listen}")
         self.port = port
         self.probes = ProbeServer(config.probe_port, self.metrics, self._readiness) if config.probe_port else None
+        self.http = None
+        if config.http_listen:
+            from .http_api import HttpServer, create_app
+
+            self.http = HttpServer(create_app(self), config.http_listen, config.tls_cert, config.tls_key,
+                                   grace=config.drain_grace + config.kill_timeout)
         self._stopped = threading.Event()
+
+    def generate(self, request, timeout: float | None) -> Generation:
+        """The one internal path of a generation, for the gRPC and the HTTP API alike."""
+        return Generation(self, request, timeout)
 
     # -- state reporting ------------------------------------------------------
 
@@ -223,23 +180,34 @@ class Supervisor:
 
     def start(self) -> None:
         self.server.start()
+        if self.http:
+            self.http.start()
         if self.probes:
             self.probes.start()
         self.memory.start()
         self.scheduler.start()
-        log.info("supervisor %d listening on %s (probes on %s), models: %s", os.getpid(), self.config.listen,
-                 self.probes.port if self.probes else "off", ", ".join(self.config.models))
+        log.info("supervisor %d listening on %s (OpenAI HTTP API on %s, probes on %s), models: %s", os.getpid(),
+                 self.config.listen, self.config.http_listen or "off", self.probes.port if self.probes else "off",
+                 ", ".join(self.config.models))
 
     def shutdown(self) -> None:
         """Stop accepting, drain in-flight work, stop every runner, reap them all, remove the sockets."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.shutting_down.set()
         log.info("shutting down")
         self.health.enter_graceful_shutdown()
-        done = self.server.stop(self.config.drain_grace)
+        # In-flight streams get drain_grace in their runners; one still running after that is cancelled there
+        # and ends with UNAVAILABLE "supervisor shutting down", before gRPC's own grace runs out.
+        grace = self.config.drain_grace + self.config.kill_timeout + 1
+        done = self.server.stop(grace)
+        if self.http:
+            self.http.begin_stop()
         self.scheduler.stop_all()
-        done.wait(self.config.drain_grace + 1)
+        done.wait(grace + 1)
+        if self.http:
+            self.http.stop()
         self.memory.stop()
         if self.probes:
             self.probes.stop()

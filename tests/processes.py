@@ -92,9 +92,10 @@ class SupervisorProcess:
         from supervisor.client import SupervisorClient
 
         folder.mkdir(parents=True, exist_ok=True)
-        self.port, self.probe_port = free_port(), free_port()
+        self.port, self.probe_port, self.http_port = free_port(), free_port(), free_port()
         self.runtime_dir = folder / "run"
         top = {"listen": f"127.0.0.1:{self.port}", "probe_port": self.probe_port,
+               "http_listen": f"127.0.0.1:{self.http_port}",
                "runtime_dir": str(self.runtime_dir), "health_period": "0.5s", "restart_backoff": "0.3s",
                "memory_period": "0.3s", **settings}
         lines = [f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
@@ -104,11 +105,23 @@ class SupervisorProcess:
         self.stderr_path = folder / f"supervisor-{time.monotonic_ns()}.stderr"
         self.process = subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "--config", str(self.config)],
                                         stderr=open(self.stderr_path, "w"), env=child_environment())
-        self.client = SupervisorClient(f"127.0.0.1:{self.port}")
+        self.token = settings.get("auth_token", "")
+        self.client = SupervisorClient(f"127.0.0.1:{self.port}", token=self.token)
 
     @property
     def stderr(self) -> str:
         return self.stderr_path.read_text()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def openai(self, api_key: str | None = None, **options):
+        """The official OpenAI client, pointed at this supervisor's HTTP API."""
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key=self.token or "none" if api_key is None else api_key,
+                      max_retries=0, timeout=300, **options)
 
     def wait_ready(self, timeout: float = 90) -> "SupervisorProcess":
         if not self.client.wait_serving(timeout):

@@ -112,7 +112,8 @@ def test_runner_killed_mid_stream_gives_unavailable_and_is_restarted(two_models)
             pass
     assert time.monotonic() - killed_at < 1.5
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "alpha" in caught.value.details() and "SIGKILL" in caught.value.details()
+    assert caught.value.details().startswith("model alpha: runner killed by SIGKILL")  # the cause first
+    assert " INFO " not in caught.value.details()  # the runner's log lines are not a cause
     assert sup.client.wait_serving(60, service="alpha")
     assert wait_until(lambda: health_seen[-1] == SERVING, 5)  # the watcher saw it too
     watching.set()
@@ -123,6 +124,30 @@ def test_runner_killed_mid_stream_gives_unavailable_and_is_restarted(two_models)
     assert restarted.pid != victim.pid and restarted.restarts == victim.restarts + 1
     assert generate(sup, model="alpha", prompt="x", max_tokens=5, ignore_eos=True)[1].stats.generated_tokens == 5
     assert sup.client.model("beta").restarts == 0
+
+
+def test_a_request_right_after_a_runner_died_waits_for_its_restart(two_models):
+    sup = two_models
+    victim = sup.client.model("alpha")
+    os.kill(victim.pid, signal.SIGKILL)
+    time.sleep(0.05)  # before the supervisor can have restarted it
+    text, last = generate(sup, model="alpha", prompt="x", max_tokens=5, ignore_eos=True)
+    assert last.stats.generated_tokens == 5
+    restarted = sup.client.model("alpha")
+    assert restarted.pid != victim.pid and restarted.restarts == victim.restarts + 1
+
+
+def test_sigterm_ends_a_stream_that_outlives_the_grace_with_a_clear_status(tmp_path):
+    sup = SupervisorProcess(tmp_path, model_toml("only"), drain_grace="1s").wait_ready()
+    call = sup.client.generate(timeout=120, model="only", prompt=PROMPT, max_tokens=6000, ignore_eos=True)
+    next(call)
+    sup.process.send_signal(signal.SIGTERM)
+    with pytest.raises(grpc.RpcError) as caught:
+        for _ in call:
+            pass
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert caught.value.details().startswith("model only: supervisor shutting down"), caught.value.details()
+    assert sup.process.wait(60) == 0
 
 
 def test_memory_limits_release_and_restart(tmp_path):

@@ -22,45 +22,52 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crunner/protocol/runner.proto\x12\x12mlxserve.runner.v1\"\xa0\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_num_draft_tokens\"\x8e\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x04 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x18\n\x10tokens_per_round\x18\x07 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x08 \x01(\x01\x12\x11\n\tprefill_s\x18\t \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\n \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x01\x12\x10\n\x08releases\x18\x0c \x01(\x05\x12\x19\n\x11release_positions\x18\r \x03(\x05\x12\x15\n\ractive_memory\x18\x0e \x01(\x03\x12\x14\n\x0c\x63\x61\x63he_memory\x18\x0f \x01(\x03\x12\x13\n\x0bpeak_memory\x18\x10 \x01(\x03\x12\x16\n\x0eprefill_chunks\x18\x11 \x03(\x05\"\xc0\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .mlxserve.runner.v1.FinishReason\x12\x32\n\x05stats\x18\x06 \x01(\x0b\x32#.mlxserve.runner.v1.GenerationStats\"\r\n\x0bInfoRequest\"\xdd\x01\n\tModelInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\x03\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x19\n\x11quantization_bits\x18\x07 \x01(\x05\x12\x1f\n\x17quantization_group_size\x18\x08 \x01(\x05\x12\r\n\x05\x63\x61\x63he\x18\t \x01(\t\x12\x12\n\nrewindable\x18\n \x01(\x08\"\xee\x02\n\x0cInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\x06target\x18\x02 \x01(\x0b\x32\x1d.mlxserve.runner.v1.ModelInfo\x12,\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x1d.mlxserve.runner.v1.ModelInfo\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\x05\x12\x18\n\x10release_interval\x18\x06 \x01(\x05\x12\x17\n\x0frelease_enabled\x18\x07 \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_limit\x18\x08 \x01(\x03\x12\x0f\n\x07version\x18\t \x01(\t\x12\x0b\n\x03pid\x18\n \x01(\x05\x12\x11\n\tmax_queue\x18\x0b \x01(\x05\x12\x13\n\x0bspeculative\x18\x0c \x01(\x08\x12\x10\n\x08\x64\x65\x63oding\x18\r \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x0e \x01(\t\x12\x13\n\x0bruntime_rss\x18\x0f \x01(\x03\"\x0f\n\rMemoryRequest\"\xb7\x01\n\x0eMemoryResponse\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x03\x12\r\n\x05\x63\x61\x63he\x18\x02 \x01(\x03\x12\x0c\n\x04peak\x18\x03 \x01(\x03\x12\x13\n\x0b\x63\x61\x63he_limit\x18\x04 \x01(\x03\x12\x14\n\x0cmemory_limit\x18\x05 \x01(\x03\x12\x10\n\x08releases\x18\x06 \x01(\x03\x12\x0b\n\x03rss\x18\x07 \x01(\x03\x12\x0e\n\x06queued\x18\x08 \x01(\x05\x12\x0c\n\x04\x62usy\x18\t \x01(\x08\x12\x10\n\x08peak_rss\x18\n \x01(\x03\"\x16\n\x14ReleaseMemoryRequest\"B\n\x15ReleaseMemoryResponse\x12\x14\n\x0c\x63\x61\x63he_before\x18\x01 \x01(\x03\x12\x13\n\x0b\x63\x61\x63he_after\x18\x02 \x01(\x03\"$\n\x11\x44\x65\x62ugBlockRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\"\x14\n\x12\x44\x65\x62ugBlockResponse\" \n\x10\x44\x65\x62ugExitRequest\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\"\x13\n\x11\x44\x65\x62ugExitResponse*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\x97\x04\n\x06Runner\x12T\n\x08Generate\x12#.mlxserve.runner.v1.GenerateRequest\x1a!.mlxserve.runner.v1.GenerateChunk0\x01\x12I\n\x04Info\x12\x1f.mlxserve.runner.v1.InfoRequest\x1a .mlxserve.runner.v1.InfoResponse\x12O\n\x06Memory\x12!.mlxserve.runner.v1.MemoryRequest\x1a\".mlxserve.runner.v1.MemoryResponse\x12\x64\n\rReleaseMemory\x12(.mlxserve.runner.v1.ReleaseMemoryRequest\x1a).mlxserve.runner.v1.ReleaseMemoryResponse\x12[\n\nDebugBlock\x12%.mlxserve.runner.v1.DebugBlockRequest\x1a&.mlxserve.runner.v1.DebugBlockResponse\x12X\n\tDebugExit\x12$.mlxserve.runner.v1.DebugExitRequest\x1a%.mlxserve.runner.v1.DebugExitResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crunner/protocol/runner.proto\x12\x12mlxserve.runner.v1\x1a\x1cgoogle/protobuf/struct.proto\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\xc3\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x31\n\x08messages\x18\r \x03(\x0b\x32\x1f.mlxserve.runner.v1.ChatMessage\x12\x35\n\x14\x63hat_template_kwargs\x18\x0e \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\x05\x12\x0f\n\x07\x64rafter\x18\x11 \x01(\tB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_num_draft_tokens\"\xb6\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x04 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x01\x12\x18\n\x10tokens_per_round\x18\x07 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x08 \x01(\x01\x12\x11\n\tprefill_s\x18\t \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\n \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x0b \x01(\x01\x12\x10\n\x08releases\x18\x0c \x01(\x05\x12\x19\n\x11release_positions\x18\r \x03(\x05\x12\x15\n\ractive_memory\x18\x0e \x01(\x03\x12\x14\n\x0c\x63\x61\x63he_memory\x18\x0f \x01(\x03\x12\x13\n\x0bpeak_memory\x18\x10 \x01(\x03\x12\x16\n\x0eprefill_chunks\x18\x11 \x03(\x05\x12\x15\n\rcached_tokens\x18\x12 \x01(\x05\x12\x0f\n\x07\x64rafter\x18\x13 \x01(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\x03top\x18\x04 \x03(\x0b\x32\x1e.mlxserve.runner.v1.TopLogprob\"\xf4\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .mlxserve.runner.v1.FinishReason\x12\x32\n\x05stats\x18\x06 \x01(\x0b\x32#.mlxserve.runner.v1.GenerationStats\x12\x32\n\x08logprobs\x18\x07 \x03(\x0b\x32 .mlxserve.runner.v1.TokenLogprob\"\r\n\x0bInfoRequest\"\xdd\x01\n\tModelInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\x03\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x19\n\x11quantization_bits\x18\x07 \x01(\x05\x12\x1f\n\x17quantization_group_size\x18\x08 \x01(\x05\x12\r\n\x05\x63\x61\x63he\x18\t \x01(\t\x12\x12\n\nrewindable\x18\n \x01(\x08\"\xee\x02\n\x0cInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12-\n\x06target\x18\x02 \x01(\x0b\x32\x1d.mlxserve.runner.v1.ModelInfo\x12,\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x1d.mlxserve.runner.v1.ModelInfo\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\x05\x12\x18\n\x10release_interval\x18\x06 \x01(\x05\x12\x17\n\x0frelease_enabled\x18\x07 \x01(\x08\x12\x13\n\x0b\x63\x61\x63he_limit\x18\x08 \x01(\x03\x12\x0f\n\x07version\x18\t \x01(\t\x12\x0b\n\x03pid\x18\n \x01(\x05\x12\x11\n\tmax_queue\x18\x0b \x01(\x05\x12\x13\n\x0bspeculative\x18\x0c \x01(\x08\x12\x10\n\x08\x64\x65\x63oding\x18\r \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x0e \x01(\t\x12\x13\n\x0bruntime_rss\x18\x0f \x01(\x03\"\x0f\n\rMemoryRequest\"\xb7\x01\n\x0eMemoryResponse\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x03\x12\r\n\x05\x63\x61\x63he\x18\x02 \x01(\x03\x12\x0c\n\x04peak\x18\x03 \x01(\x03\x12\x13\n\x0b\x63\x61\x63he_limit\x18\x04 \x01(\x03\x12\x14\n\x0cmemory_limit\x18\x05 \x01(\x03\x12\x10\n\x08releases\x18\x06 \x01(\x03\x12\x0b\n\x03rss\x18\x07 \x01(\x03\x12\x0e\n\x06queued\x18\x08 \x01(\x05\x12\x0c\n\x04\x62usy\x18\t \x01(\x08\x12\x10\n\x08peak_rss\x18\n \x01(\x03\"\x16\n\x14ReleaseMemoryRequest\"B\n\x15ReleaseMemoryResponse\x12\x14\n\x0c\x63\x61\x63he_before\x18\x01 \x01(\x03\x12\x13\n\x0b\x63\x61\x63he_after\x18\x02 \x01(\x03\"$\n\x11\x44\x65\x62ugBlockRequest\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\"\x14\n\x12\x44\x65\x62ugBlockResponse\" \n\x10\x44\x65\x62ugExitRequest\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\"\x13\n\x11\x44\x65\x62ugExitResponse*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\x97\x04\n\x06Runner\x12T\n\x08Generate\x12#.mlxserve.runner.v1.GenerateRequest\x1a!.mlxserve.runner.v1.GenerateChunk0\x01\x12I\n\x04Info\x12\x1f.mlxserve.runner.v1.InfoRequest\x1a .mlxserve.runner.v1.InfoResponse\x12O\n\x06Memory\x12!.mlxserve.runner.v1.MemoryRequest\x1a\".mlxserve.runner.v1.MemoryResponse\x12\x64\n\rReleaseMemory\x12(.mlxserve.runner.v1.ReleaseMemoryRequest\x1a).mlxserve.runner.v1.ReleaseMemoryResponse\x12[\n\nDebugBlock\x12%.mlxserve.runner.v1.DebugBlockRequest\x1a&.mlxserve.runner.v1.DebugBlockResponse\x12X\n\tDebugExit\x12$.mlxserve.runner.v1.DebugExitRequest\x1a%.mlxserve.runner.v1.DebugExitResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'runner.protocol.runner_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1957
-  _globals['_FINISHREASON']._serialized_end=2081
-  _globals['_GENERATEREQUEST']._serialized_start=53
-  _globals['_GENERATEREQUEST']._serialized_end=341
-  _globals['_GENERATIONSTATS']._serialized_start=344
-  _globals['_GENERATIONSTATS']._serialized_end=742
-  _globals['_GENERATECHUNK']._serialized_start=745
-  _globals['_GENERATECHUNK']._serialized_end=937
-  _globals['_INFOREQUEST']._serialized_start=939
-  _globals['_INFOREQUEST']._serialized_end=952
-  _globals['_MODELINFO']._serialized_start=955
-  _globals['_MODELINFO']._serialized_end=1176
-  _globals['_INFORESPONSE']._serialized_start=1179
-  _globals['_INFORESPONSE']._serialized_end=1545
-  _globals['_MEMORYREQUEST']._serialized_start=1547
-  _globals['_MEMORYREQUEST']._serialized_end=1562
-  _globals['_MEMORYRESPONSE']._serialized_start=1565
-  _globals['_MEMORYRESPONSE']._serialized_end=1748
-  _globals['_RELEASEMEMORYREQUEST']._serialized_start=1750
-  _globals['_RELEASEMEMORYREQUEST']._serialized_end=1772
-  _globals['_RELEASEMEMORYRESPONSE']._serialized_start=1774
-  _globals['_RELEASEMEMORYRESPONSE']._serialized_end=1840
-  _globals['_DEBUGBLOCKREQUEST']._serialized_start=1842
-  _globals['_DEBUGBLOCKREQUEST']._serialized_end=1878
-  _globals['_DEBUGBLOCKRESPONSE']._serialized_start=1880
-  _globals['_DEBUGBLOCKRESPONSE']._serialized_end=1900
-  _globals['_DEBUGEXITREQUEST']._serialized_start=1902
-  _globals['_DEBUGEXITREQUEST']._serialized_end=1934
-  _globals['_DEBUGEXITRESPONSE']._serialized_start=1936
-  _globals['_DEBUGEXITRESPONSE']._serialized_end=1955
-  _globals['_RUNNER']._serialized_start=2084
-  _globals['_RUNNER']._serialized_end=2619
+  _globals['_FINISHREASON']._serialized_start=2477
+  _globals['_FINISHREASON']._serialized_end=2601
+  _globals['_CHATMESSAGE']._serialized_start=82
+  _globals['_CHATMESSAGE']._serialized_end=140
+  _globals['_GENERATEREQUEST']._serialized_start=143
+  _globals['_GENERATEREQUEST']._serialized_end=594
+  _globals['_GENERATIONSTATS']._serialized_start=597
+  _globals['_GENERATIONSTATS']._serialized_end=1035
+  _globals['_TOPLOGPROB']._serialized_start=1037
+  _globals['_TOPLOGPROB']._serialized_end=1099
+  _globals['_TOKENLOGPROB']._serialized_start=1101
+  _globals['_TOKENLOGPROB']._serialized_end=1210
+  _globals['_GENERATECHUNK']._serialized_start=1213
+  _globals['_GENERATECHUNK']._serialized_end=1457
+  _globals['_INFOREQUEST']._serialized_start=1459
+  _globals['_INFOREQUEST']._serialized_end=1472
+  _globals['_MODELINFO']._serialized_start=1475
+  _globals['_MODELINFO']._serialized_end=1696
+  _globals['_INFORESPONSE']._serialized_start=1699
+  _globals['_INFORESPONSE']._serialized_end=2065
+  _globals['_MEMORYREQUEST']._serialized_start=2067
+  _globals['_MEMORYREQUEST']._serialized_end=2082
+  _globals['_MEMORYRESPONSE']._serialized_start=2085
+  _globals['_MEMORYRESPONSE']._serialized_end=2268
+  _globals['_RELEASEMEMORYREQUEST']._serialized_start=2270
+  _globals['_RELEASEMEMORYREQUEST']._serialized_end=2292
+  _globals['_RELEASEMEMORYRESPONSE']._serialized_start=2294
+  _globals['_RELEASEMEMORYRESPONSE']._serialized_end=2360
+  _globals['_DEBUGBLOCKREQUEST']._serialized_start=2362
+  _globals['_DEBUGBLOCKREQUEST']._serialized_end=2398
+  _globals['_DEBUGBLOCKRESPONSE']._serialized_start=2400
+  _globals['_DEBUGBLOCKRESPONSE']._serialized_end=2420
+  _globals['_DEBUGEXITREQUEST']._serialized_start=2422
+  _globals['_DEBUGEXITREQUEST']._serialized_end=2454
+  _globals['_DEBUGEXITRESPONSE']._serialized_start=2456
+  _globals['_DEBUGEXITRESPONSE']._serialized_end=2475
+  _globals['_RUNNER']._serialized_start=2604
+  _globals['_RUNNER']._serialized_end=3139
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from google.protobuf import struct_pb2 as _struct_pb2
 from runner.protocol import runner_pb2 as _runner_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -26,7 +27,7 @@ RUNNER_STATE_BACKOFF: RunnerState
 RUNNER_STATE_FAILED: RunnerState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "num_draft_tokens", "request_id", "ignore_eos", "model")
+    __slots__ = ("prompt", "prompt_ids", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "num_draft_tokens", "request_id", "ignore_eos", "messages", "chat_template_kwargs", "logprobs", "top_logprobs", "drafter", "model")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +40,11 @@ class GenerateRequest(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -52,8 +58,13 @@ class GenerateRequest(_message.Message):
     num_draft_tokens: int
     request_id: str
     ignore_eos: bool
+    messages: _containers.RepeatedCompositeFieldContainer[_runner_pb2.ChatMessage]
+    chat_template_kwargs: _struct_pb2.Struct
+    logprobs: bool
+    top_logprobs: int
+    drafter: str
     model: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[_runner_pb2.ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class MemorySample(_message.Message):
     __slots__ = ("rss", "anonymous", "pss", "uss", "peak_rss", "growth_bytes_per_s", "mlx_active", "mlx_cache", "mlx_peak", "mlx_releases", "soft_limit", "hard_limit", "history_samples", "estimate")

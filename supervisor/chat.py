@@ -1,0 +1,107 @@
+"""python -m supervisor chat --model NAME: a terminal chat with one model through the supervisor.
+
+The conversation is kept and sent whole each turn (the model's chat template
+lays it out). Answers stream as they come; after each one a line gives its
+tokens, tokens per second and draft acceptance. ``/bye`` or Ctrl-D leaves;
+Ctrl-C stops the answer being written (what was written stays in the
+conversation) without leaving; ``/clear`` starts the conversation again.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+
+from .client import SupervisorClient
+from .protocol import supervisor_pb2
+
+PROMPT = ">>> "
+HELP = "commands: /bye (or Ctrl-D) leaves, /clear forgets the conversation; Ctrl-C stops an answer"
+
+
+def stats_line(stats) -> str:
+    line = f"[{stats.generated_tokens} tokens, {stats.tokens_per_second:.1f} tok/s"
+    if stats.drafted:
+        line += f", acceptance {stats.acceptance_rate:.2f} ({stats.drafter or 'draft'})"
+    if stats.cached_tokens:
+        line += f", {stats.cached_tokens} prompt tokens from the cache"
+    return line + "]"
+
+
+class Chat:
+    def __init__(self, client: SupervisorClient, model: str, system: str = "", max_tokens: int = 1024,
+                 temperature: float = 0.0, out=sys.stdout):
+        self.client = client
+        self.model = model
+        self.system = system
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.out = out
+        self.messages: list[tuple[str, str]] = []
+        self.clear()
+
+    def clear(self) -> None:
+        self.messages = [("system", self.system)] if self.system else []
+
+    def request(self) -> supervisor_pb2.GenerateRequest:
+        request = supervisor_pb2.GenerateRequest(model=self.model, max_tokens=self.max_tokens,
+                                                 temperature=self.temperature, request_id="chat")
+        for role, content in self.messages:
+            request.messages.add(role=role, content=content)
+        return request
+
+    def turn(self, text: str) -> None:
+        """Send one user message and stream the answer; Ctrl-C stops it and keeps what came."""
+        self.messages.append(("user", text))
+        call = self.client.stub.Generate(self.request(), metadata=self.client.metadata)
+        answer, last = [], None
+        try:
+            for last in call:
+                answer.append(last.text)
+                self.out.write(last.text)
+                self.out.flush()
+        except KeyboardInterrupt:
+            call.cancel()
+            self.out.write("\n[stopped]\n")
+        except grpc.RpcError as error:
+            self.messages.pop()
+            self.out.write(f"\n[error: {error.code().name}: {error.details()}]\n")
+            return
+        else:
+            self.out.write("\n" + (stats_line(last.stats) if last is not None and last.HasField("stats") else "") + "\n")
+        self.messages.append(("assistant", "".join(answer)))
+        self.out.flush()
+
+    def run(self, read=input) -> int:
+        self.out.write(f"chatting with {self.model}; {HELP}\n")
+        while True:
+            try:
+                self.out.write(PROMPT)
+                self.out.flush()
+                line = read()
+            except EOFError:
+                self.out.write("\n")
+                return 0
+            except KeyboardInterrupt:
+                self.out.write("\nUse Ctrl-D or /bye to leave.\n")
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text == "/bye":
+                return 0
+            if text == "/clear":
+                self.clear()
+                self.out.write("[conversation cleared]\n")
+                continue
+            if text.startswith("/"):
+                self.out.write(f"unknown command {text.split()[0]}; {HELP}\n")
+                continue
+            self.turn(text)
+
+
+def main(args) -> int:
+    with SupervisorClient(args.address, token=args.token) as client:
+        chat = Chat(client, args.model, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature)
+        return chat.run()

@@ -1,0 +1,142 @@
+"""One generation through the supervisor: the internal path that the gRPC and the HTTP API both take.
+
+``Generation`` acquires the model (loading it on demand and waiting while it
+starts or restarts, within the request's deadline), forwards the request to
+its runner, streams the runner's chunks and records the metrics. When the
+runner dies under a request that has not streamed anything yet, the request
+waits for the restart and is sent again (at most ``MAX_RESENDS`` times);
+once a chunk has gone out, the client gets the failure instead, naming the
+model and the cause. Every failure is a ``ServiceError`` (``runner.status``),
+which each API turns into its own status.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+
+from runner.protocol import runner_pb2
+from runner.status import Code, ServiceError
+
+from .runners import ManagedRunner, State
+
+log = logging.getLogger("supervisor")
+
+MAX_RESENDS = 3
+NO_DEADLINE = 10 * 365 * 86400.0
+# Runner answers passed through unchanged: they are about the request, not the runner.
+PASSED_THROUGH = {Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.DEADLINE_EXCEEDED, Code.PERMISSION_DENIED,
+                  Code.NOT_FOUND}
+
+
+class Generation:
+    def __init__(self, supervisor, request, timeout: float | None):
+        """``request`` is a supervisor GenerateRequest; ``timeout`` None waits as long as a model takes to start."""
+        self.sup = supervisor
+        self.request = request
+        if timeout is not None and timeout > NO_DEADLINE:
+            timeout = None  # gRPC's time_remaining() without a deadline is ~2**63 s, which no timer takes
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        runners = supervisor.scheduler.runners
+        self.model = request.model or (next(iter(runners)) if len(runners) == 1 else "")
+        self._cancelled = threading.Event()
+        self._call = None
+        self.tokens = 0  # streamed so far
+
+    def cancel(self) -> None:
+        """The client went away: stop the runner's generation (it stops within one round)."""
+        self._cancelled.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def __iter__(self):
+        code = "OK"
+        try:
+            yield from self._stream()
+        except ServiceError as error:
+            code = error.code.name
+            raise
+        finally:
+            if code == "OK" and self._cancelled.is_set():
+                code = "CANCELLED"
+            self.sup.metrics.requests.labels(self.model or "-", code).inc()
+
+    def _forwarded(self) -> runner_pb2.GenerateRequest:
+        forwarded = runner_pb2.GenerateRequest.FromString(self.request.SerializeToString())
+        forwarded.DiscardUnknownFields()  # the model field; all others share their numbers
+        return forwarded
+
+    def _stream(self):
+        metrics = self.sup.metrics
+        resends = 0
+        while True:
+            if self._cancelled.is_set():
+                raise ServiceError(Code.CANCELLED, "client went away")
+            timeout = self.remaining()
+            with self.sup.scheduler.acquire(self.model, timeout=timeout) as runner:
+                started = time.perf_counter()
+                call = runner.client.stub.Generate(self._forwarded(), timeout=self.remaining())
+                self._call = call
+                runner.track(call)
+                if self._cancelled.is_set():
+                    call.cancel()
+                pid = runner.pid
+                first = True
+                try:
+                    for chunk in call:
+                        if first:
+                            metrics.ttft.labels(self.model).observe(time.perf_counter() - started)
+                            first = False
+                        self.tokens += len(chunk.token_ids)
+                        if chunk.HasField("stats"):
+                            metrics.tokens.labels(self.model).inc(chunk.stats.generated_tokens)
+                            metrics.acceptance.labels(self.model).set(chunk.stats.acceptance_rate)
+                        yield chunk
+                    return
+                except grpc.RpcError as error:
+                    failure, runner_went_away = self._failure(runner, call, error)
+                    if (runner_went_away and self.tokens == 0 and resends < MAX_RESENDS
+                            and not self.sup.shutting_down.is_set() and (timeout is None or self.remaining() > 0)):
+                        resends += 1
+                        log.info("model %s: runner went away before the first token (%s); sending the request "
+                                 "again once it is back", self.model, failure.message)
+                        self._wait_for_replacement(runner, pid)
+                        continue
+                    raise failure from None
+                finally:
+                    runner.untrack(call)
+                    self._call = None
+
+    def _failure(self, runner: ManagedRunner, call, error: grpc.RpcError) -> tuple[ServiceError, bool]:
+        """What the client is told, and whether the runner went away (so the request may be sent again)."""
+        code = error.code()
+        if self.sup.shutting_down.is_set():
+            return ServiceError(Code.UNAVAILABLE, f"model {self.model}: supervisor shutting down; the generation was "
+                                                  f"cut off after {self.tokens} tokens"), False
+        if runner.failure_for(call) is None and code in PASSED_THROUGH:
+            return ServiceError(code, error.details() or code.name), False
+        if self._cancelled.is_set():
+            return ServiceError(Code.CANCELLED, "client went away"), False
+        # The runner went away under the request: say which model and why.
+        if runner.failure_for(call) is None:
+            runner.exited.wait(1.0)
+        failure = runner.failure_for(call)
+        if failure is not None:
+            status, message = failure
+            # A hard memory limit restarted it because of this request: sending it again would do the same.
+            return ServiceError(status, message), status == Code.UNAVAILABLE
+        gone = runner.pid == 0 or runner.state != State.SERVING
+        return ServiceError(Code.UNAVAILABLE, f"model {self.model}: {error.details() or code.name}"), gone
+
+    def _wait_for_replacement(self, runner: ManagedRunner, old_pid: int) -> None:
+        """Until the supervisor has noticed the death (then ``acquire`` waits for the restart)."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and runner.state == State.SERVING and runner.pid in (0, old_pid):
+            time.sleep(0.02)

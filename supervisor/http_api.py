@@ -1,0 +1,436 @@
+"""The OpenAI-compatible HTTP API of the supervisor (FastAPI on uvicorn, pydantic request schemas).
+
+    POST /v1/chat/completions   messages -> the model's chat template -> an answer
+    POST /v1/completions        a raw prompt (text or token ids)
+    GET  /v1/models, /v1/models/{id}
+
+Streaming answers are server-sent events, ``data: {json}`` each, ending with
+``data: [DONE]``. Every request takes the same internal path as the gRPC
+Generate (``Supervisor.generate``), and every error the same mapping to a
+status (``runner.status``), here as an HTTP status with OpenAI's error shape:
+``{"error": {"message", "type", "param", "code"}}``. Unknown request fields are
+ignored; malformed or wrong-typed ones are a 400 naming the field. A client that
+disconnects cancels its generation, which stops within one round.
+
+The speculation figures of an answer (drafted, accepted, tokens per second)
+come under the extra key ``x_mlxserve``, which leaves OpenAI's schema valid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Literal, Union
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from google.protobuf import struct_pb2
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runner.protocol import runner_pb2
+from runner.status import Code, ServiceError, openai_error, status_of
+
+from .protocol import supervisor_pb2
+
+log = logging.getLogger("supervisor")
+
+MAX_TOKENS_UNSET = 2**31 - 1  # the runner caps it at the room left in the context
+FINISH_REASONS = {runner_pb2.FINISH_REASON_STOP: "stop", runner_pb2.FINISH_REASON_LENGTH: "length",
+                  runner_pb2.FINISH_REASON_CANCELLED: "stop"}
+Number = Union[StrictInt, StrictFloat]
+
+
+# -- request schemas ----------------------------------------------------------------------------------
+
+
+class Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class ContentPart(Schema):
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(Schema):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ServiceError(Code.INVALID_ARGUMENT, f"messages: content parts of type {part.type!r} are not "
+                                                          "supported (text only)", "messages")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class StreamOptions(Schema):
+    include_usage: StrictBool = False
+
+
+class Sampling(Schema):
+    """The fields chat and completions share."""
+
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number | None = Field(None, ge=0)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=0)
+    min_p: Number | None = Field(None, ge=0, le=1)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # Extensions (vLLM and this project's own)
+    ignore_eos: StrictBool = False
+    num_draft_tokens: StrictInt | None = Field(None, ge=0)
+    drafter: StrictStr | None = None
+
+    def check(self) -> None:
+        if self.n != 1:
+            raise ServiceError(Code.INVALID_ARGUMENT, "n: only 1 choice per request is supported", "n")
+
+    def fill(self, proto: supervisor_pb2.GenerateRequest, max_tokens: int | None) -> None:
+        proto.model = self.model
+        proto.max_tokens = max_tokens or MAX_TOKENS_UNSET
+        proto.temperature = 1.0 if self.temperature is None else float(self.temperature)  # OpenAI's default
+        if self.top_p is not None:
+            proto.top_p = float(self.top_p)
+        proto.top_k = self.top_k or 0
+        proto.min_p = float(self.min_p or 0.0)
+        if self.seed is not None:
+            proto.seed = self.seed
+        if self.stop is not None:
+            proto.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
+        if self.num_draft_tokens is not None:
+            proto.num_draft_tokens = self.num_draft_tokens
+        if self.drafter is not None:
+            proto.drafter = self.drafter
+        proto.ignore_eos = self.ignore_eos
+        proto.request_id = f"http-{secrets.token_hex(6)}"
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_proto(self) -> supervisor_pb2.GenerateRequest:
+        self.check()
+        proto = supervisor_pb2.GenerateRequest()
+        self.fill(proto, self.max_completion_tokens or self.max_tokens)
+        for message in self.messages:
+            role = "system" if message.role == "developer" else message.role
+            proto.messages.add(role=role, content=message.text(), name=message.name or "")
+        if self.chat_template_kwargs:
+            proto.chat_template_kwargs.update(self.chat_template_kwargs)
+        if self.top_logprobs and not self.logprobs:
+            raise ServiceError(Code.INVALID_ARGUMENT, "top_logprobs: needs logprobs = true", "top_logprobs")
+        proto.logprobs = self.logprobs
+        proto.top_logprobs = self.top_logprobs or 0
+        return proto
+
+
+class CompletionRequest(Sampling):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+
+    def to_proto(self) -> supervisor_pb2.GenerateRequest:
+        self.check()
+        if self.echo:
+            raise ServiceError(Code.INVALID_ARGUMENT, "echo: not supported", "echo")
+        if self.suffix:
+            raise ServiceError(Code.INVALID_ARGUMENT, "suffix: not supported", "suffix")
+        proto = supervisor_pb2.GenerateRequest()
+        self.fill(proto, self.max_tokens or 16)  # OpenAI's default for completions
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ServiceError(Code.INVALID_ARGUMENT, "prompt: one prompt per request", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            proto.prompt = prompt
+        else:
+            proto.prompt_ids.extend(prompt)
+        if self.logprobs is not None:
+            proto.logprobs = True
+            proto.top_logprobs = self.logprobs
+        return proto
+
+
+# -- responses -----------------------------------------------------------------------------------------
+
+
+def usage(stats: runner_pb2.GenerationStats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+
+
+def speculation(stats: runner_pb2.GenerationStats) -> dict:
+    return {"drafted": stats.drafted, "accepted": stats.accepted, "acceptance_rate": round(stats.acceptance_rate, 4),
+            "rounds": stats.rounds, "tokens_per_second": round(stats.tokens_per_second, 2),
+            "time_to_first_token_s": round(stats.time_to_first_token_s, 4), "drafter": stats.drafter}
+
+
+def chat_logprobs(entries) -> list[dict]:
+    return [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode("utf-8")),
+             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
+                              for t in e.top]} for e in entries]
+
+
+def completion_logprobs(entries, offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for e in entries:
+        tokens.append(e.token)
+        token_logprobs.append(e.logprob)
+        top.append({t.token: t.logprob for t in e.top})
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+class Answer:
+    """Builds the OpenAI objects of one answer (chat or text completion) from the runner's chunks."""
+
+    def __init__(self, kind: str, model: str, logprobs: bool):
+        self.chat = kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.model = model
+        self.logprobs = logprobs
+        self.text_length = 0
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, chunks: list) -> dict:
+        last = chunks[-1]
+        text = "".join(c.text for c in chunks)
+        entries = [e for c in chunks for e in c.logprobs]
+        choice: dict = {"index": 0, "finish_reason": FINISH_REASONS.get(last.finish_reason, "stop")}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = {"content": chat_logprobs(entries)} if self.logprobs else None
+            body = self._base("chat.completion")
+        else:
+            choice["text"] = text
+            choice["logprobs"] = completion_logprobs(entries, 0) if self.logprobs else None
+            body = self._base("text_completion")
+        body["choices"] = [choice]
+        body["usage"] = usage(last.stats)
+        body["x_mlxserve"] = speculation(last.stats)
+        return body
+
+    def first_event(self) -> dict | None:
+        """Chat streams open with the assistant's role."""
+        if not self.chat:
+            return None
+        return {**self._base("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]}
+
+    def event(self, chunk) -> dict | None:
+        finish = FINISH_REASONS.get(chunk.finish_reason) if chunk.finish_reason else None
+        if not chunk.text and finish is None and not chunk.logprobs:
+            return None
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": chunk.text} if chunk.text else {},
+                      "logprobs": {"content": chat_logprobs(chunk.logprobs)} if self.logprobs else None,
+                      "finish_reason": finish}
+            body = self._base("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": chunk.text, "finish_reason": finish,
+                      "logprobs": completion_logprobs(chunk.logprobs, self.text_length) if self.logprobs else None}
+            body = self._base("text_completion")
+        self.text_length += len(chunk.text)
+        body["choices"] = [choice]
+        if chunk.HasField("stats"):
+            body["x_mlxserve"] = speculation(chunk.stats)
+        return body
+
+    def usage_event(self, stats) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": usage(stats)}
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+# -- the app -------------------------------------------------------------------------------------------
+
+
+def error_response(error: BaseException) -> JSONResponse:
+    status, body = openai_error(status_of(error))
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(supervisor) -> FastAPI:
+    """The ASGI app over one ``Supervisor`` (anything with ``generate``, ``config`` and ``scheduler``)."""
+    app = FastAPI(title="mlxserve", version="1", docs_url=None, redoc_url=None)
+    expected = f"Bearer {supervisor.config.auth_token}" if supervisor.config.auth_token else None
+
+    def authorized(request: Request) -> None:
+        if expected is not None and request.headers.get("authorization") != expected:
+            raise ServiceError(Code.UNAUTHENTICATED, "missing or wrong bearer token (Authorization: Bearer ...)")
+
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, error: ServiceError):
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError):
+        problem = error.errors()[0]
+        location = [str(part) for part in problem.get("loc", ()) if part != "body"]
+        if problem.get("type") == "json_invalid":
+            return error_response(ServiceError(Code.INVALID_ARGUMENT, "the request body is not valid JSON"))
+        param = location[0] if location else None
+        where = ".".join(location) or "body"
+        return error_response(ServiceError(Code.INVALID_ARGUMENT, f"{where}: {problem.get('msg')}", param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        code = {404: Code.NOT_FOUND, 405: Code.UNIMPLEMENTED}.get(error.status_code, Code.INVALID_ARGUMENT)
+        status, body = openai_error(ServiceError(code, f"{request.method} {request.url.path}: {error.detail}"))
+        return JSONResponse(body, status_code=error.status_code)
+
+    def model_object(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(supervisor.started_at), "owned_by": "mlxserve"}
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [model_object(name) for name in supervisor.scheduler.runners]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str):
+        supervisor.scheduler.runner(model_id)  # NOT_FOUND naming the configured models
+        return model_object(model_id)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await answer(request, body, "chat", body.logprobs)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request):
+        return await answer(request, body, "text", body.logprobs is not None)
+
+    async def answer(request: Request, body, kind: str, logprobs: bool):
+        proto = body.to_proto()
+        generation = supervisor.generate(proto, timeout=None)
+        out = Answer(kind, body.model, logprobs)
+        if body.stream:
+            return await stream(request, generation, out, bool(body.stream_options and body.stream_options.include_usage))
+        return await whole(request, generation, out)
+
+    async def whole(request: Request, generation, out: Answer):
+        task = asyncio.ensure_future(run_in_threadpool(list, generation))
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.1)
+                if not done and await request.is_disconnected():
+                    generation.cancel()
+            chunks = task.result()
+        except asyncio.CancelledError:
+            generation.cancel()
+            raise
+        return out.whole(chunks)
+
+    async def stream(request: Request, generation, out: Answer, include_usage: bool):
+        chunks = iter(generation)
+        # The first chunk decides between an error status and a 200 stream.
+        first = await run_in_threadpool(next, chunks, None)
+
+        async def events():
+            chunk = first
+            try:
+                opening = out.first_event()
+                if opening is not None:
+                    yield sse(opening)
+                while chunk is not None:
+                    event = out.event(chunk)
+                    if event is not None:
+                        yield sse(event)
+                    if chunk.HasField("stats") and include_usage:
+                        yield sse(out.usage_event(chunk.stats))
+                    chunk = await run_in_threadpool(next, chunks, None)
+            except ServiceError as error:
+                yield sse(openai_error(error)[1])
+            finally:
+                generation.cancel()  # a no-op once finished; a client that went away stops the runner here
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app
+
+
+class HttpServer:
+    """uvicorn serving the app on its own thread; the socket is bound up front, so a busy port fails start-up."""
+
+    def __init__(self, app: FastAPI, listen: str, tls_cert=None, tls_key=None, grace: float = 10.0):
+        import uvicorn
+
+        host, _, port = listen.rpartition(":")
+        host = host.strip("[]") or "127.0.0.1"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, int(port)))
+        except OSError as error:
+            self.socket.close()
+            raise OSError(f"http_listen {listen}: {error.strerror}") from None
+        self.socket.listen(512)
+        self.port = self.socket.getsockname()[1]
+        self.scheme = "https" if tls_cert else "http"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
+                                timeout_graceful_shutdown=grace,
+                                ssl_certfile=str(tls_cert) if tls_cert else None,
+                                ssl_keyfile=str(tls_key) if tls_key else None)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name="http", daemon=True)
+
+    def _run(self) -> None:
+        import anyio.to_thread
+
+        async def serve():
+            # Every streaming answer waits for its chunks on a worker thread: allow as many as gRPC does.
+            anyio.to_thread.current_default_thread_limiter().total_tokens = 256
+            await self.server.serve(sockets=[self.socket])
+
+        asyncio.run(serve())
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def begin_stop(self) -> None:
+        """No new connections; answers in flight go on (their generations end with the runners)."""
+        self.server.should_exit = True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)

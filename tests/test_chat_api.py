@@ -1,0 +1,277 @@
+"""Chat and the OpenAI-compatible HTTP API, through a real supervisor, with real clients.
+
+The official ``openai`` package talks to the HTTP API; the gRPC client sends
+messages; the terminal chat runs as its own process. SmolLM2 is the chat model;
+the default pair has no chat template (and speculates).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from runner.defaults import SMOLLM2_DIR
+from runner.protocol import runner_pb2
+from supervisor.protocol import supervisor_pb2
+from tests.processes import SupervisorProcess, child_environment, model_toml, wait_until
+
+TOKEN = "chat-test-token"
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The for statement is used to iterate over the elements of a sequence"
+
+
+@pytest.fixture(scope="module")
+def sup(tmp_path_factory):
+    models = (model_toml("smol", target=SMOLLM2_DIR, draft=None)
+              + model_toml("pair")
+              + model_toml("busy", max_queue=0))
+    sup = SupervisorProcess(tmp_path_factory.mktemp("chat"), models, auth_token=TOKEN).wait_ready(180)
+    yield sup
+    assert sup.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(sup):
+    return sup.openai()
+
+
+# -- chat over gRPC --------------------------------------------------------------------------------------
+
+
+def grpc_chat(sup, model: str, messages, **fields):
+    request = supervisor_pb2.GenerateRequest(model=model, **fields)
+    for message in messages:
+        request.messages.add(**message)
+    return list(sup.client.stub.Generate(request, timeout=120, metadata=sup.client.metadata))
+
+
+def test_grpc_chat_uses_the_chat_template_and_stops_at_the_end_of_the_turn(sup):
+    chunks = grpc_chat(sup, "smol", CAPITAL, max_tokens=60)
+    text = "".join(c.text for c in chunks)
+    assert "Paris" in text and "<|im_end|>" not in text
+    last = chunks[-1]
+    assert last.finish_reason == runner_pb2.FINISH_REASON_STOP and last.stats.generated_tokens < 60
+    assert last.stats.prompt_tokens > 20  # the template's system message and turn markers
+    assert last.stats.cached_tokens >= 0
+
+
+def test_grpc_chat_errors_name_the_problem(sup):
+    with pytest.raises(grpc.RpcError) as caught:
+        grpc_chat(sup, "pair", CAPITAL, max_tokens=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        grpc_chat(sup, "smol", [{"role": "wizard", "content": "hi"}], max_tokens=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'wizard'" in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        grpc_chat(sup, "smol", CAPITAL, max_tokens=5, prompt="also a prompt")
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages" in caught.value.details()
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(sup):
+    prompt = "word " * (int(7.9 * 2**20) // 5)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        list(sup.client.generate(timeout=60, model="pair", prompt=prompt, max_tokens=4))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot fit the context" in caught.value.details()
+    assert time.monotonic() - started < 3.0
+
+
+# -- the OpenAI client -----------------------------------------------------------------------------------
+
+
+def test_chat_completion_answers_with_usage_and_speculation_figures(client):
+    answer = client.chat.completions.create(model="smol", messages=CAPITAL, temperature=0, max_tokens=60)
+    choice = answer.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason == "stop" and answer.object == "chat.completion" and answer.model == "smol"
+    usage = answer.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and usage.completion_tokens > 0
+    assert usage.prompt_tokens_details.cached_tokens is not None
+    assert answer.model_extra["x_mlxserve"]["drafter"] in ("none", "ngram", "model")
+
+
+def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(client):
+    whole = client.chat.completions.create(model="smol", messages=CAPITAL, temperature=0, max_tokens=40)
+    events = list(client.chat.completions.create(model="smol", messages=CAPITAL, temperature=0, max_tokens=40,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert events[0].choices[0].delta.role == "assistant"
+    text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completion_max_tokens_gives_length_and_stop_cuts_the_text(client):
+    plain = client.completions.create(model="pair", prompt=PROMPT, max_tokens=30, temperature=0)
+    choice = plain.choices[0]
+    assert choice.finish_reason == "length" and plain.usage.completion_tokens == 30
+    assert plain.model_extra["x_mlxserve"]["drafted"] > 0  # the pair speculates
+    stop = choice.text[10:16]
+    stopped = client.completions.create(model="pair", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop, "\x00"])
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == choice.text[: choice.text.index(stop)]
+    streamed = client.completions.create(model="pair", prompt=PROMPT, max_tokens=30, temperature=0, stream=True)
+    assert "".join(e.choices[0].text for e in streamed if e.choices) == choice.text
+
+
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed):
+        return client.completions.create(model="pair", prompt=PROMPT, max_tokens=40, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    first, again = sample(7), sample(7)
+    assert first == again
+    assert any(sample(seed) != first for seed in (8, 9, 10))
+
+
+def test_logprobs_come_from_the_target_with_speculation_on(client):
+    answer = client.completions.create(model="pair", prompt=PROMPT, max_tokens=20, temperature=0, logprobs=3)
+    lp = answer.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 20
+    assert "".join(lp.tokens) == answer.choices[0].text
+    assert answer.model_extra["x_mlxserve"]["drafted"] > 0
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and len(top) == 3
+        assert max(top.values()) == pytest.approx(value, abs=1e-4)  # greedy picks the most likely token
+    chat = client.chat.completions.create(model="smol", messages=CAPITAL, temperature=0, max_tokens=12,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+               for entry in content)
+
+
+def test_models_list_and_retrieve(client):
+    assert {m.id for m in client.models.list()} == {"smol", "pair", "busy"}
+    assert client.models.retrieve("smol").id == "smol"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_errors_arrive_as_the_sdks_exceptions_in_openais_shape(sup, client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="smol", messages=CAPITAL, temperature="hot")
+    assert caught.value.body["param"] == "temperature" and caught.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="smol", messages=CAPITAL, n=2)
+    assert caught.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="pair", messages=CAPITAL)
+    assert "no chat template" in caught.value.body["message"]
+    with pytest.raises(openai.AuthenticationError):
+        sup.openai(api_key="wrong").models.list()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=CAPITAL)
+    assert "gpt-4o" in caught.value.body["message"] and caught.value.body["param"] == "model"
+    answer = client.completions.create(model="pair", prompt="x", max_tokens=2, extra_body={"frobnicate": [1, 2]})
+    assert answer.usage.completion_tokens <= 2  # unknown fields are ignored
+
+
+def test_a_full_queue_is_429(client):
+    # "busy" lets nobody wait: while one generation runs, the next request is refused at once.
+    running = client.completions.create(model="busy", prompt=PROMPT, max_tokens=3000, temperature=0,
+                                        stream=True, extra_body={"ignore_eos": True})
+    next(iter(running))
+    try:
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.completions.create(model="busy", prompt=PROMPT, max_tokens=5)
+        assert "already waiting" in caught.value.body["message"]
+    finally:
+        running.close()
+
+
+# -- raw HTTP --------------------------------------------------------------------------------------------
+
+
+def test_sse_framing(sup):
+    body = {"model": "pair", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{sup.base_url}/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(response.iter_text())
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ") and "\n" not in event
+        assert json.loads(event.removeprefix("data: "))["object"] == "text_completion"
+
+
+def test_error_shape_over_raw_http(sup):
+    response = httpx.post(f"{sup.base_url}/chat/completions", content=b"{not json", timeout=10,
+                          headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_argument"
+    response = httpx.get(f"{sup.base_url}/models", timeout=10)
+    assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_client_that_disconnects_frees_the_runner(sup):
+    body = {"model": "pair", "prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{sup.base_url}/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+    # The 4000-token generation would take many seconds more; the runner is free at once.
+    assert wait_until(lambda: sup.client.model("pair").in_flight == 0, 5)
+    started = time.monotonic()
+    chunks = list(sup.client.generate(timeout=30, model="pair", prompt="x", max_tokens=5, ignore_eos=True))
+    assert chunks[-1].stats.generated_tokens == 5
+    assert chunks[-1].stats.time_to_first_token_s < 1.0 and time.monotonic() - started < 5
+
+
+# -- the terminal chat -----------------------------------------------------------------------------------
+
+
+def test_terminal_chat_keeps_the_conversation_and_stops_an_answer_on_ctrl_c(sup):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "chat", "--model", "smol", "--address", f"127.0.0.1:{sup.port}",
+         "--token", TOKEN, "--max-tokens", "400"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+        env=child_environment())
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(iter(lambda: process.stdout.read(1), "")), daemon=True)
+    reader.start()
+
+    def seen(text, count=1):
+        return wait_until(lambda: "".join(output).count(text) >= count, 120, interval=0.05)
+
+    try:
+        assert seen(">>> ")
+        process.stdin.write("What is the capital of France?\n")
+        process.stdin.flush()
+        assert seen(" tok/s"), "".join(output)
+        assert "Paris" in "".join(output)
+        assert seen(">>> ", 2)
+        process.stdin.write("Write a long story about the history of that city.\n")
+        process.stdin.flush()
+        before = len("".join(output))
+        assert wait_until(lambda: len("".join(output)) > before + 40, 60, interval=0.05)
+        process.send_signal(signal.SIGINT)  # Ctrl-C: stop the answer, stay in the chat
+        assert seen("[stopped]"), "".join(output)
+        assert seen(">>> ", 3)
+        process.stdin.write("/bye\n")
+        process.stdin.flush()
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert wait_until(lambda: sup.client.model("smol").in_flight == 0, 5)
+
+
+def test_terminal_chat_leaves_on_end_of_input(sup):
+    done = subprocess.run([sys.executable, "-m", "supervisor", "chat", "--model", "smol", "--address",
+                           f"127.0.0.1:{sup.port}", "--token", TOKEN], input="", capture_output=True, text=True,
+                          timeout=60, env=child_environment())
+    assert done.returncode == 0 and "chatting with smol" in done.stdout
