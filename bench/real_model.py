@@ -77,8 +77,8 @@ def runner_side(dtype: str) -> dict:
             runner.stop()
     s = last.stats
     # Same measure as the mlx-lm side: prefill until the first token, then the rest.
-    return {"prompt_tokens": s.prompt_tokens, "prefill_s": s.time_to_first_token,
-            "decode_s": s.decode_s - (s.time_to_first_token - s.prefill_s), "generated": s.generated_tokens - 1,
+    return {"prompt_tokens": s.prompt_tokens, "prefill_s": s.time_to_first_token_s,
+            "decode_s": s.decode_s - (s.time_to_first_token_s - s.prefill_s), "generated": s.generated_tokens - 1,
             "peak_rss": memory.peak_rss}
 
 

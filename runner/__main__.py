@@ -44,6 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="auto: the checkpoint's form on a GPU, float32 on the CPU (if it fits); "
                         "checkpoint: as stored (quantized stays quantized); float32: dequantize and cast")
     p.add_argument("--max-context", type=int, default=None, help="lower the model's context length to this")
+    p.add_argument("--prompt-cache", type=int, default=None,
+                   help="bytes the prompt cache may hold (0 = off; default: an eighth of memory, at most 4 GiB)")
+    p.add_argument("--no-malloc-trim", action="store_true",
+                   help="do not give freed heap memory back to the system after pool releases")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests that may wait behind the running one")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE, help="seconds in-flight work gets after SIGTERM")
@@ -63,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--release-interval and --prefill-chunk must be positive, --max-queue >= 0")
     if args.max_context is not None and args.max_context < 2:
         p.error("--max-context must be at least 2")
+    if args.prompt_cache is not None and args.prompt_cache < 0:
+        p.error("--prompt-cache must be >= 0")
     if args.stall_after <= 0:
         p.error("--stall-after must be positive")
     return args
@@ -143,6 +149,7 @@ def main(argv=None) -> int:
         num_draft_tokens=args.num_draft_tokens, release_interval=args.release_interval,
         prefill_chunk=args.prefill_chunk, cache_limit=args.cache_limit, release_enabled=not args.no_release,
         dtype=args.dtype, max_context=args.max_context, prefill_seconds=args.stall_after / 4,
+        prompt_cache_bytes=args.prompt_cache, malloc_trim=not args.no_malloc_trim,
     )
     started = time.perf_counter()
     try:
@@ -162,10 +169,10 @@ def main(argv=None) -> int:
         return 0
     server.attach(engine, on_fatal)
     log.info("serving %s after %.2f s: %s, %s on the %s (%s), context %d; %s, k=%d; release every %d tokens%s, "
-             "cache limit %d", args.name, time.perf_counter() - started, engine.target.config.get("model_type"),
+             "cache limit %d; prompt cache %d bytes", args.name, time.perf_counter() - started, engine.target.config.get("model_type"),
              engine.target.compute_dtype, engine.device, engine.dtype_reason, engine.context_length,
              engine.speculative_note, engine.default_num_draft_tokens, settings.release_interval,
-             "" if settings.release_enabled else " DISABLED", engine.cache_limit)
+             "" if settings.release_enabled else " DISABLED", engine.cache_limit, engine.prompt_cache.budget)
     if engine.draft is not None and not engine.speculative:
         log.warning("speculative decoding is off: %s", engine.speculative_note)
     while not (signalled or stopping.wait(0.1)):

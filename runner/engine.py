@@ -26,9 +26,11 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from .defaults import (DEFAULT_DTYPE, DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES,
                        DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER)
 from .errors import TokenizerMismatch
-from .footprint import ModelFootprint, expected_device, resolve_dtype
+from .footprint import ModelFootprint, default_prompt_cache_bytes, expected_device, resolve_dtype
 from .loading import LoadedModel, load_model
+from .malloc import malloc_trim
 from .prefill import PrefillPlanner
+from .prompt_cache import Hit, PromptCache
 from .release import ReleaseSchedule
 from .request import GenerationRequest, PreparedRequest, prepare
 from .sampling import SamplingParams, filtered_probs, sample, verify_greedy, verify_sampled
@@ -53,6 +55,8 @@ class EngineSettings:
     max_context: int | None = None  # lowers the model's context length
     prefill_seconds: float = DEFAULT_STALL_AFTER / 4  # a prefill chunk should take about this long, at most
     prefill_score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES  # CPU attention's transient score matrix, at most
+    prompt_cache_bytes: int | None = None  # the prompt cache's budget; None = default_prompt_cache_bytes(), 0 = off
+    malloc_trim: bool = True  # give freed heap back to the system after each pool release (glibc)
 
 
 @dataclass
@@ -163,6 +167,14 @@ def apply_cache_limit(setting: str | int) -> int:
     return limit
 
 
+@dataclass(frozen=True)
+class Released:
+    cache_before: int  # MLX's pool, bytes
+    cache_after: int
+    evicted_entries: int = 0  # prompt-cache entries emptied first
+    evicted_bytes: int = 0
+
+
 def device_name() -> str:
     return mx.default_device().type.name  # "cpu" or "gpu"
 
@@ -181,6 +193,8 @@ class Engine:
         self.dtype_reason = dtype_reason or f"dtype = {target.dtype!r}"
         self.cache_limit = apply_cache_limit(settings.cache_limit)
         self.total_releases = 0
+        budget = settings.prompt_cache_bytes
+        self.prompt_cache = PromptCache(default_prompt_cache_bytes() if budget is None else budget)
         self.speculative, self.speculative_note = self._can_speculate()
 
     def _can_speculate(self) -> tuple[bool, str]:
@@ -222,15 +236,19 @@ class Engine:
 
     def warm_up(self) -> None:
         """One short generation, so the first real request does not pay for first-use setup."""
-        for _ in self.generate(GenerationRequest(prompt_ids=(0, 5, 6, 7), max_tokens=8, ignore_eos=True)):
+        for _ in self.generate(GenerationRequest(prompt_ids=(0, 5, 6, 7), max_tokens=8, ignore_eos=True,
+                                                 cache_prompt=False)):
             pass
 
-    def release_memory(self) -> tuple[int, int]:
-        """Empty the pool now; returns cache bytes before and after."""
+    def release_memory(self, prompt_cache: bool = False) -> Released:
+        """Empty the pool now (after the prompt cache, when asked): its buffers go back to the system."""
+        entries, evicted = self.prompt_cache.clear() if prompt_cache else (0, 0)
         before = mx.get_cache_memory()
         mx.clear_cache()
+        if self.settings.malloc_trim:
+            malloc_trim()
         self.total_releases += 1
-        return before, mx.get_cache_memory()
+        return Released(before, mx.get_cache_memory(), entries, evicted)
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Validate and tokenize a request once (raises InvalidRequest naming the field)."""
@@ -253,11 +271,12 @@ class Engine:
         where the caller shows progress, and it ends the generation by returning True.
         """
         prepared = request if isinstance(request, PreparedRequest) else self.prepare(request)
+        reuse = self.prompt_cache.lookup(prepared.prompt_ids) if prepared.cache_prompt else Hit(0, None)
         decoder = _Decoder(self, prepared.prompt_ids, prepared.params, prepared.num_draft_tokens,
-                           mx.random.key(prepared.seed))
+                           mx.random.key(prepared.seed), reuse)
         stopping = StoppingCriteria(self.tokenizer, prepared.eos_ids, prepared.request.stop, prepared.max_tokens)
         schedule = ReleaseSchedule(self.release_memory, self.settings.release_interval, self.settings.release_enabled)
-        stats = GenerationStats(prompt_tokens=len(prepared.prompt_ids),
+        stats = GenerationStats(prompt_tokens=len(prepared.prompt_ids), cached_tokens=reuse.tokens,
                                 drafter="model" if decoder.k > 0 else "none")
         max_tokens = prepared.max_tokens
 
@@ -265,6 +284,7 @@ class Engine:
         start = time.perf_counter()
         finish_reason = None
         final_round = Round([], "")
+        completed = False
         try:
             if not decoder.prefill(self.prefill_planner(), cancelled, stats.prefill_chunks):
                 finish_reason = "cancelled"
@@ -297,7 +317,10 @@ class Engine:
                     yield Round(emitted, delta, drafted, accepted, logprobs=logprobs)
                 else:
                     final_round = Round(emitted, delta, drafted, accepted, logprobs=logprobs)
+            completed = True
         finally:
+            if completed and prepared.cache_prompt:  # what the caches hold is sound: later requests may start here
+                self.prompt_cache.store(*decoder.cached_state())
             decoder.close()
             schedule.at_end()
         if not stats.prefill_seconds:
@@ -324,9 +347,14 @@ class _Decoder:
     last one, ``pending``, which neither model has seen yet. After a round in
     which every draft was accepted, the draft has also not seen the last
     draft token, which ``draft_backlog`` carries into the next round.
+
+    ``reuse`` is a prompt-cache hit: the request's own copies of caches that
+    already hold the first ``reuse.tokens`` prompt tokens, so only the rest is
+    prefilled.
     """
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, k: int, key):
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, k: int, key,
+                 reuse: Hit | None = None):
         self.engine = engine
         self.target = engine.target.model
         self.draft = engine.draft.model if engine.draft is not None and k > 0 else None
@@ -334,26 +362,37 @@ class _Decoder:
         self.k = k if self.draft is not None else 0
         self.key = key
         self.prompt_ids = prompt_ids
+        self.tokens = list(prompt_ids)  # the prompt, then every token a round chose
         self.target_cache = make_prompt_cache(self.target)
         self.draft_cache = make_prompt_cache(self.draft) if self.draft is not None else None
+        self.target_held = self.draft_held = 0  # tokens each cache holds
+        if reuse is not None and reuse.caches:
+            self.target_cache, self.target_held = reuse.caches[0], reuse.tokens
+            if self.draft is not None and len(reuse.caches) > 1 and reuse.caches[1] is not None:
+                self.draft_cache, self.draft_held = reuse.caches[1], reuse.tokens
         self.pending = prompt_ids[-1]
         self.draft_backlog: list[int] = []
         self.logits: mx.array | None = None
 
     def prefill(self, planner: PrefillPlanner, between=lambda: False, sizes: list | None = None) -> bool:
-        """Run the prompt (all but its last token) through both models in planned chunks.
+        """Run the prompt (all but its last token) through both models in planned chunks,
+        each from where its cache already is.
 
         ``between()`` runs after every chunk (the caller's sign of progress); when it
         returns True the prefill stops there and this returns False.
         """
         context = self.prompt_ids[:-1]
-        offset = 0
+        offset = min(held for _, _, held in self._models())
         while offset < len(context):
             size = planner.next_chunk(offset, len(context) - offset)
             started = time.perf_counter()
-            for model, cache in self._models():
-                model(mx.array(context[offset : offset + size])[None], cache=cache)
-                mx.eval([c.state for c in cache])
+            for model, cache, held in self._models():
+                if held < offset + size:
+                    model(mx.array(context[max(held, offset) : offset + size])[None], cache=cache)
+                    mx.eval([c.state for c in cache])
+            self.target_held = max(self.target_held, offset + size)
+            if self.draft is not None:
+                self.draft_held = max(self.draft_held, offset + size)
             mx.clear_cache()
             planner.record(offset, size, time.perf_counter() - started)
             offset += size
@@ -362,6 +401,17 @@ class _Decoder:
             if between():
                 return False
         return True
+
+    def cached_state(self) -> tuple[list[int], list]:
+        """The tokens the caches hold and the caches themselves, for the prompt cache (the request is over)."""
+        held = self.target_held
+        caches = [self.target_cache]
+        if self.draft is not None:
+            if self.draft_held < held:  # the draft lags by its backlog: keep what both hold
+                trim_prompt_cache(self.target_cache, held - self.draft_held)
+                held = self.draft_held
+            caches.append(self.draft_cache)
+        return self.tokens[:held], caches
 
     def round(self, budget: int) -> tuple[list[int], int, int]:
         """One speculative round; returns (tokens, drafted, accepted), never more than ``budget`` tokens."""
@@ -390,6 +440,9 @@ class _Decoder:
             tokens = drafts[:accepted] + [verdict.next_token.item()]
             self._rewind(k, accepted, drafts)
         self.pending = tokens[-1]
+        self.tokens += tokens
+        self.target_held = len(self.tokens) - 1  # all but pending
+        self.draft_held = self.target_held - len(self.draft_backlog)
         return tokens, k, accepted
 
     def _propose(self, k: int, key) -> tuple[mx.array | None, mx.array | None]:
@@ -428,9 +481,9 @@ class _Decoder:
             trim_prompt_cache(self.draft_cache, k - 1 - accepted)
 
     def _models(self):
-        yield self.target, self.target_cache
+        yield self.target, self.target_cache, self.target_held
         if self.draft is not None:
-            yield self.draft, self.draft_cache
+            yield self.draft, self.draft_cache, self.draft_held
 
     def close(self) -> None:
         self.target_cache = self.draft_cache = None

@@ -178,6 +178,20 @@ def _group_size(quantization: dict | None, layer: str) -> int:
     return int(quantization.get("group_size", 64))
 
 
+def default_prompt_cache_bytes(total_memory: int | None = None) -> int:
+    """The prompt cache's budget when nothing sets it: an eighth of the machine's memory, at most 4 GiB.
+
+    The supervisor lowers it to the room a model's memory limit leaves above its estimate
+    (``supervisor.memory.prompt_cache_budget``), and its memory policy empties the cache first
+    when a runner goes over its soft limit.
+    """
+    if total_memory is None:
+        import psutil
+
+        total_memory = psutil.virtual_memory().total
+    return min(total_memory // 8, 4 * 2**30)
+
+
 def expected_device() -> str:
     """The device MLX will use in a runner, guessed without importing MLX: "gpu" or "cpu"."""
     if sys.platform == "darwin" and platform.machine() == "arm64":

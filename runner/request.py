@@ -45,6 +45,7 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     drafter: str = ""  # "" = the engine's setting
+    cache_prompt: bool = True  # reuse and keep KV caches in the prompt cache
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class PreparedRequest:
     eos_ids: frozenset[int]
     logprobs: bool = False
     top_logprobs: int = 0
+    cache_prompt: bool = True
 
     @property
     def request_id(self) -> str:
@@ -162,4 +164,5 @@ def prepare(request: GenerationRequest, *, tokenizer, vocab_size: int, context_l
         eos_ids=eos_ids,
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
+        cache_prompt=request.cache_prompt,
     )

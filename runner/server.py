@@ -98,6 +98,12 @@ def model_info(loaded: LoadedModel) -> runner_pb2.ModelInfo:
     )
 
 
+def prompt_cache_stats(cache) -> runner_pb2.PromptCacheStats:
+    return runner_pb2.PromptCacheStats(budget=cache.budget, bytes=cache.nbytes, entries=cache.entries, hits=cache.hits,
+                                       misses=cache.misses, reused_tokens=cache.reused_tokens,
+                                       evictions=cache.evictions)
+
+
 def peak_rss() -> int:
     """High-water RSS of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
     import resource
@@ -142,7 +148,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             release_interval=engine.settings.release_interval, release_enabled=engine.settings.release_enabled,
             cache_limit=engine.cache_limit, version=__version__, pid=os.getpid(), max_queue=self.worker.max_queue,
             speculative=engine.speculative, decoding=engine.speculative_note, dtype_reason=engine.dtype_reason,
-            runtime_rss=self.runtime_rss,
+            runtime_rss=self.runtime_rss, prompt_cache_budget=engine.prompt_cache.budget,
         )
         if engine.draft is not None:
             response.draft.CopyFrom(model_info(engine.draft))
@@ -156,13 +162,17 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             cache_limit=self.engine.cache_limit if self.engine else 0, memory_limit=mx.get_memory_limit(),
             releases=self.engine.total_releases if self.engine else 0, rss=self._process.memory_info().rss,
             queued=worker.queued if worker else 0, busy=worker.busy if worker else False, peak_rss=peak_rss(),
+            prompt_cache=prompt_cache_stats(self.engine.prompt_cache) if self.engine else None,
         )
 
     def ReleaseMemory(self, message, context):
         worker = self._ready()
-        before, after = worker.call(self.engine.release_memory).result()
-        log.info("pool released on request: %d -> %d bytes", before, after)
-        return runner_pb2.ReleaseMemoryResponse(cache_before=before, cache_after=after)
+        released = worker.call(lambda: self.engine.release_memory(prompt_cache=message.prompt_cache)).result()
+        log.info("released on request: %d prompt-cache entries (%d bytes), then the pool: %d -> %d bytes",
+                 released.evicted_entries, released.evicted_bytes, released.cache_before, released.cache_after)
+        return runner_pb2.ReleaseMemoryResponse(cache_before=released.cache_before, cache_after=released.cache_after,
+                                                evicted_entries=released.evicted_entries,
+                                                evicted_bytes=released.evicted_bytes)
 
     def _debug(self) -> MlxWorker:
         worker = self._ready()

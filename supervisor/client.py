@@ -46,6 +46,8 @@ def format_models(models, memory: bool = False) -> str:
             line += (f"\n    rss {s.rss / 2**20:.0f} MiB, anonymous {s.anonymous / 2**20:.0f} MiB, peak {s.peak_rss / 2**20:.0f} MiB "
                      f"(estimate {s.estimate / 2**20:.0f} MiB), "
                      f"growth {s.growth_bytes_per_s / 2**20:+.1f} MiB/s; MLX active {s.mlx_active / 2**20:.0f} MiB, "
-                     f"pool {s.mlx_cache / 2**20:.1f} MiB, releases {s.mlx_releases}")
+                     f"pool {s.mlx_cache / 2**20:.1f} MiB, releases {s.mlx_releases}; prompt cache "
+                     f"{s.prompt_cache.entries} entries, {s.prompt_cache.bytes / 2**20:.1f} of "
+                     f"{s.prompt_cache.budget / 2**20:.0f} MiB, {s.prompt_cache.hits} hits")
         lines.append(line)
     return "\n".join(lines)

@@ -20,6 +20,7 @@
     max_context = 4096                # lower the model's context length (default: the model's own)
     max_queue = 8                     # requests that may wait behind the running one
     stall_after = "30s"               # no progress of the MLX thread this long = hung
+    prompt_cache = "1GiB"             # KV caches kept for prefix reuse; 0 = off; default: see supervisor/memory.py
 
 Every problem is reported as one ConfigError naming the key.
 """
@@ -66,6 +67,7 @@ class ModelConfig:
     stall_after: float = DEFAULT_STALL_AFTER  # the runner reports NOT_SERVING when its MLX thread is stuck this long
     dtype: str = DEFAULT_DTYPE
     max_context: int = 0  # 0 = the model's own context length
+    prompt_cache: int | None = None  # bytes; None = derived (supervisor.memory.prompt_cache_budget); 0 = off
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,7 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
     max_context = _take(table, "max_context", p, int, 0)
     if max_context < 0 or max_context == 1:
         raise ConfigError(f"{p}max_context", "must be at least 2 (0 = the model's own)")
+    prompt_cache = parse_size(f"{p}prompt_cache", table.pop("prompt_cache")) if "prompt_cache" in table else None
     stall_after = parse_duration(f"{p}stall_after", table.pop("stall_after", DEFAULT_STALL_AFTER))
     if stall_after <= 0:
         raise ConfigError(f"{p}stall_after", "must be positive")
@@ -199,7 +202,7 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
         load_at_start=_take(table, "load_at_start", p, bool, True), max_queue=max_queue,
         release_enabled=_take(table, "release_enabled", p, bool, True),
         debug_rpcs=_take(table, "debug_rpcs", p, bool, False),
-        stall_after=stall_after, dtype=dtype, max_context=max_context,
+        stall_after=stall_after, dtype=dtype, max_context=max_context, prompt_cache=prompt_cache,
     )
     if table:
         raise ConfigError(f"{p}{sorted(table)[0]}", "unknown key")

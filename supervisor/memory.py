@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import grpc
 import psutil
 
-from runner.footprint import Estimate, FootprintError, ModelFootprint, estimate, expected_device, resolve_dtype
+from runner.footprint import (Estimate, FootprintError, ModelFootprint, default_prompt_cache_bytes, estimate,
+                              expected_device, resolve_dtype)
 from runner.protocol import runner_pb2
 
 from .config import ModelConfig
@@ -56,6 +57,7 @@ class MlxFigures:
     peak: int = 0
     releases: int = 0
     peak_rss: int = 0  # the runner's own high-water RSS
+    prompt_cache: object = None  # runner_pb2.PromptCacheStats
 
 
 class RunnerMemory:
@@ -67,6 +69,7 @@ class RunnerMemory:
         self.mlx = MlxFigures()
         self.last_soft_release = 0.0
         self.soft_releases = 0
+        self.evicted_entries = 0  # prompt-cache entries the soft limit emptied
         self.hard_restarts = 0
         self._full = Sample(0, 0, 0)
 
@@ -132,6 +135,24 @@ class Estimates:
             self.runtime_overhead = rss + SERVING_OVERHEAD
 
 
+def prompt_cache_budget(model: ModelConfig, needed: Estimate | None) -> int:
+    """The prompt cache's byte budget for a model.
+
+    Set in the config: that. Otherwise an eighth of the machine's memory, at most 4 GiB
+    (``runner.footprint.default_prompt_cache_bytes``) - and, when the model has a memory
+    limit, no more than the room that limit leaves above the model's estimate (the soft
+    limit if set, else half the way to the hard limit), so a full cache alone never
+    pushes the runner over it.
+    """
+    if model.prompt_cache is not None:
+        return model.prompt_cache
+    budget = default_prompt_cache_bytes()
+    if needed is not None and (model.soft_limit or model.hard_limit):
+        limit = model.soft_limit or needed.total + (model.hard_limit - needed.total) // 2
+        budget = max(0, min(budget, limit - needed.total))
+    return budget
+
+
 SERVING_OVERHEAD = 60 * 2**20  # gRPC's threads, the tokenizer and first allocations, on top of the bare runtime
 
 
@@ -188,7 +209,7 @@ class MemoryWatch:
         if runner.state == State.SERVING and runner.client is not None:
             try:
                 m = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=0.5)
-                memory.mlx = MlxFigures(m.active, m.cache, m.peak, m.releases, m.peak_rss)
+                memory.mlx = MlxFigures(m.active, m.cache, m.peak, m.releases, m.peak_rss, m.prompt_cache)
                 memory.peak_rss = max(memory.peak_rss, m.peak_rss)
             except grpc.RpcError:
                 pass
@@ -210,12 +231,16 @@ class MemoryWatch:
         if model.soft_limit and measured > model.soft_limit and now - memory.last_soft_release >= SOFT_RELEASE_EVERY:
             memory.last_soft_release = now
             try:
-                released = runner.client.stub.ReleaseMemory(runner_pb2.ReleaseMemoryRequest(), timeout=5)
+                # The prompt cache goes first: its buffers then leave with the pool.
+                released = runner.client.stub.ReleaseMemory(runner_pb2.ReleaseMemoryRequest(prompt_cache=True),
+                                                            timeout=5)
             except grpc.RpcError as error:
                 log.warning("model %s: ReleaseMemory failed: %s", runner.name, error.details())
                 return
             memory.soft_releases += 1
+            memory.evicted_entries += released.evicted_entries
             after = sample_tree(runner.pid, 1, sample).anonymous if runner.pid else 0
-            log.info("model %s: over the soft limit (%.0f MiB > %.0f MiB): pool %d -> %d bytes, memory now %.0f MiB",
-                     runner.name, measured / 2**20, model.soft_limit / 2**20,
-                     released.cache_before, released.cache_after, after / 2**20)
+            log.info("model %s: over the soft limit (%.0f MiB > %.0f MiB): evicted %d prompt-cache entries "
+                     "(%.1f MiB), then released the pool (%d -> %d bytes); memory now %.0f MiB",
+                     runner.name, measured / 2**20, model.soft_limit / 2**20, released.evicted_entries,
+                     released.evicted_bytes / 2**20, released.cache_before, released.cache_after, after / 2**20)

@@ -24,6 +24,16 @@ class Metrics:
                               ["model"], registry=r)
         self.soft_releases = Gauge("mlxserve_soft_limit_releases", "ReleaseMemory calls by the memory policy",
                                      ["model"], registry=r)
+        self.prompt_cache_entries = Gauge("mlxserve_prompt_cache_entries", "Entries in the runner's prompt cache",
+                                          ["model"], registry=r)
+        self.prompt_cache_bytes = Gauge("mlxserve_prompt_cache_bytes", "Bytes the runner's prompt cache holds",
+                                        ["model"], registry=r)
+        self.prompt_cache_hits = Gauge("mlxserve_prompt_cache_hits", "Requests that reused a cached prefix "
+                                       "(current runner process)", ["model"], registry=r)
+        self.prompt_cache_reused = Gauge("mlxserve_prompt_cache_reused_tokens", "Prompt tokens taken from the cache "
+                                         "instead of prefilled (current runner process)", ["model"], registry=r)
+        self.prompt_cache_evictions = Gauge("mlxserve_prompt_cache_evictions", "Prompt-cache entries evicted "
+                                            "(current runner process)", ["model"], registry=r)
         self.restarts = Gauge("mlxserve_runner_restarts", "Runner restarts since the supervisor started",
                               ["model"], registry=r)
         self.serving = Gauge("mlxserve_runner_serving", "1 while the model's runner serves", ["model"], registry=r)

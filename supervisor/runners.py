@@ -73,6 +73,7 @@ class ManagedRunner:
         self.process: subprocess.Popen | None = None
         self.client: RunnerClient | None = None
         self.info = None  # the serving runner's InfoResponse
+        self.prompt_cache_budget: int | None = None  # set by the scheduler before each start
         self.restarts = 0
         self.failures = 0  # consecutive, reset after a stable period
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
@@ -243,6 +244,8 @@ class ManagedRunner:
                 "--parent-pid", str(os.getpid())]
         if m.max_context:
             args += ["--max-context", str(m.max_context)]
+        if self.prompt_cache_budget is not None:
+            args += ["--prompt-cache", str(self.prompt_cache_budget)]
         if m.draft is not None:
             args += ["--draft", str(m.draft)]
         if not m.release_enabled:

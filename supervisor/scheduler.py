@@ -18,7 +18,7 @@ import grpc
 from runner.status import ServiceError
 
 from .config import SupervisorConfig
-from .memory import AdmissionRefused, Estimates, admit
+from .memory import AdmissionRefused, Estimates, admit, prompt_cache_budget
 from .runners import ManagedRunner, State
 
 log = logging.getLogger("supervisor")
@@ -58,9 +58,10 @@ class Scheduler:
             if not runner.active:
                 self._make_room(runner)
                 try:
-                    admit(runner.model, self.estimates)
+                    needed = admit(runner.model, self.estimates)
                 except AdmissionRefused as error:
                     raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
+                runner.prompt_cache_budget = prompt_cache_budget(runner.model, needed)
                 runner.start()
         if wait:
             # No deadline (gRPC says ~2**63 s): as long as a runner may take to start.

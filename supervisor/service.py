@@ -150,6 +150,13 @@ class Supervisor:
         m.mlx_active.labels(name).set(memory.mlx.active)
         m.releases.labels(name).set(memory.mlx.releases)
         m.soft_releases.labels(name).set(memory.soft_releases)
+        cache = memory.mlx.prompt_cache
+        if cache is not None:
+            m.prompt_cache_entries.labels(name).set(cache.entries)
+            m.prompt_cache_bytes.labels(name).set(cache.bytes)
+            m.prompt_cache_hits.labels(name).set(cache.hits)
+            m.prompt_cache_reused.labels(name).set(cache.reused_tokens)
+            m.prompt_cache_evictions.labels(name).set(cache.evictions)
 
     def _readiness(self) -> tuple[bool, str]:
         states = ", ".join(f"{r.name}={r.state.value}" for r in self.scheduler.runners.values())
@@ -168,7 +175,7 @@ class Supervisor:
             peak_rss=memory.peak_rss, growth_bytes_per_s=memory.growth_rate, mlx_active=memory.mlx.active,
             mlx_cache=memory.mlx.cache, mlx_peak=memory.mlx.peak, mlx_releases=memory.mlx.releases,
             soft_limit=runner.model.soft_limit, hard_limit=runner.model.hard_limit, history_samples=len(memory.history),
-            estimate=self._estimate(runner))
+            estimate=self._estimate(runner), prompt_cache=memory.mlx.prompt_cache if runner.pid else None)
         if current is not None and runner.pid:
             sample.rss, sample.anonymous, sample.pss, sample.uss = current.rss, current.anonymous, current.pss, current.uss
         return supervisor_pb2.ModelStatus(

@@ -150,6 +150,22 @@ def test_logprobs_come_from_the_target_with_speculation_on(client):
                for entry in content)
 
 
+def test_a_repeated_conversation_comes_from_the_prompt_cache(sup, client):
+    messages = [{"role": "system", "content": "You answer in one short sentence. " * 20}] + CAPITAL
+    first = client.chat.completions.create(model="smol", messages=messages, temperature=0, max_tokens=30)
+    second = client.chat.completions.create(model="smol", messages=messages, temperature=0, max_tokens=30)
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert second.model_extra["x_mlxserve"]["time_to_first_token_s"] < first.model_extra["x_mlxserve"][
+        "time_to_first_token_s"]
+    cache = sup.client.model("smol").memory.prompt_cache
+    assert wait_until(lambda: sup.client.model("smol").memory.prompt_cache.hits >= 1, 5)
+    assert cache.entries >= 1 and 0 < cache.bytes <= cache.budget
+    metrics = sup.probe("/metrics")[1]
+    for name in ("entries", "bytes", "hits", "reused_tokens", "evictions"):
+        assert f'mlxserve_prompt_cache_{name}{{model="smol"}}' in metrics
+
+
 def test_models_list_and_retrieve(client):
     assert {m.id for m in client.models.list()} == {"smol", "pair", "busy"}
     assert client.models.retrieve("smol").id == "smol"

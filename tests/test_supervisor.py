@@ -151,12 +151,21 @@ def test_sigterm_ends_a_stream_that_outlives_the_grace_with_a_clear_status(tmp_p
 
 
 def test_memory_limits_release_and_restart(tmp_path):
-    models = (model_toml("soft", soft_limit=1)  # always over: gets ReleaseMemory, never restarted for it
+    models = (model_toml("soft", soft_limit=1, prompt_cache="64MiB")  # always over: emptied and released, not restarted
               + model_toml("leaky", cache_limit="unbounded", release_enabled=False, hard_limit="300MiB"))
     sup = SupervisorProcess(tmp_path, models).wait_ready()
     try:
         assert wait_until(lambda: sup.client.model("soft").memory.mlx_releases >= 3, 30)
         assert "ReleaseMemory" not in sup.stderr and "over the soft limit" in sup.stderr
+        # A request leaves its KV cache in the prompt cache; the policy empties it first, then releases the pool.
+        generate(sup, model="soft", prompt=PROMPT * 20, max_tokens=20, ignore_eos=True)
+        assert wait_until(lambda: "evicted 1 prompt-cache entries" in sup.stderr, 15, interval=0.2), sup.stderr[-2000:]
+        line = next(l for l in sup.stderr.splitlines() if "evicted 1 prompt-cache entries" in l)
+        assert line.index("evicted 1 prompt-cache entries") < line.index("then released the pool")
+        assert wait_until(lambda: sup.client.model("soft").memory.prompt_cache.entries == 0, 5)
+        soft = sup.client.model("soft").memory
+        assert soft.prompt_cache.evictions == 1 and soft.prompt_cache.budget == 64 * 2**20
+        assert 'mlxserve_prompt_cache_evictions{model="soft"} 1.0' in sup.probe("/metrics")[1]
         assert sup.client.model("soft").restarts == 0
         before = sup.client.model("leaky")
         with pytest.raises(grpc.RpcError) as caught:

@@ -178,7 +178,7 @@ class ModelInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., architecture: _Optional[str] = ..., parameters: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., quantization_group_size: _Optional[int] = ..., cache: _Optional[str] = ..., rewindable: _Optional[bool] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue", "speculative", "decoding", "dtype_reason", "runtime_rss")
+    __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue", "speculative", "decoding", "dtype_reason", "runtime_rss", "prompt_cache_budget")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class InfoResponse(_message.Message):
     DECODING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_RSS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     name: str
     target: ModelInfo
     draft: ModelInfo
@@ -209,14 +210,15 @@ class InfoResponse(_message.Message):
     decoding: str
     dtype_reason: str
     runtime_rss: int
-    def __init__(self, name: _Optional[str] = ..., target: _Optional[_Union[ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., release_interval: _Optional[int] = ..., release_enabled: _Optional[bool] = ..., cache_limit: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., max_queue: _Optional[int] = ..., speculative: _Optional[bool] = ..., decoding: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., runtime_rss: _Optional[int] = ...) -> None: ...
+    prompt_cache_budget: int
+    def __init__(self, name: _Optional[str] = ..., target: _Optional[_Union[ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., release_interval: _Optional[int] = ..., release_enabled: _Optional[bool] = ..., cache_limit: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., max_queue: _Optional[int] = ..., speculative: _Optional[bool] = ..., decoding: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., runtime_rss: _Optional[int] = ..., prompt_cache_budget: _Optional[int] = ...) -> None: ...
 
 class MemoryRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class MemoryResponse(_message.Message):
-    __slots__ = ("active", "cache", "peak", "cache_limit", "memory_limit", "releases", "rss", "queued", "busy", "peak_rss")
+    __slots__ = ("active", "cache", "peak", "cache_limit", "memory_limit", "releases", "rss", "queued", "busy", "peak_rss", "prompt_cache")
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     PEAK_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +229,7 @@ class MemoryResponse(_message.Message):
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     PEAK_RSS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_FIELD_NUMBER: _ClassVar[int]
     active: int
     cache: int
     peak: int
@@ -237,19 +240,44 @@ class MemoryResponse(_message.Message):
     queued: int
     busy: bool
     peak_rss: int
-    def __init__(self, active: _Optional[int] = ..., cache: _Optional[int] = ..., peak: _Optional[int] = ..., cache_limit: _Optional[int] = ..., memory_limit: _Optional[int] = ..., releases: _Optional[int] = ..., rss: _Optional[int] = ..., queued: _Optional[int] = ..., busy: _Optional[bool] = ..., peak_rss: _Optional[int] = ...) -> None: ...
+    prompt_cache: PromptCacheStats
+    def __init__(self, active: _Optional[int] = ..., cache: _Optional[int] = ..., peak: _Optional[int] = ..., cache_limit: _Optional[int] = ..., memory_limit: _Optional[int] = ..., releases: _Optional[int] = ..., rss: _Optional[int] = ..., queued: _Optional[int] = ..., busy: _Optional[bool] = ..., peak_rss: _Optional[int] = ..., prompt_cache: _Optional[_Union[PromptCacheStats, _Mapping]] = ...) -> None: ...
+
+class PromptCacheStats(_message.Message):
+    __slots__ = ("budget", "bytes", "entries", "hits", "misses", "reused_tokens", "evictions")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    budget: int
+    bytes: int
+    entries: int
+    hits: int
+    misses: int
+    reused_tokens: int
+    evictions: int
+    def __init__(self, budget: _Optional[int] = ..., bytes: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class ReleaseMemoryRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("prompt_cache",)
+    PROMPT_CACHE_FIELD_NUMBER: _ClassVar[int]
+    prompt_cache: bool
+    def __init__(self, prompt_cache: _Optional[bool] = ...) -> None: ...
 
 class ReleaseMemoryResponse(_message.Message):
-    __slots__ = ("cache_before", "cache_after")
+    __slots__ = ("cache_before", "cache_after", "evicted_entries", "evicted_bytes")
     CACHE_BEFORE_FIELD_NUMBER: _ClassVar[int]
     CACHE_AFTER_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     cache_before: int
     cache_after: int
-    def __init__(self, cache_before: _Optional[int] = ..., cache_after: _Optional[int] = ...) -> None: ...
+    evicted_entries: int
+    evicted_bytes: int
+    def __init__(self, cache_before: _Optional[int] = ..., cache_after: _Optional[int] = ..., evicted_entries: _Optional[int] = ..., evicted_bytes: _Optional[int] = ...) -> None: ...
 
 class DebugBlockRequest(_message.Message):
     __slots__ = ("seconds",)

@@ -92,7 +92,8 @@ class RunnerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseMemory(self, request, context):
-        """Release MLX's buffer pool now, between rounds of any generation in flight.
+        """Release MLX's buffer pool now, between rounds of any generation in flight
+        (after emptying the prompt cache, when asked to).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

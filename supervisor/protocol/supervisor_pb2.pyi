@@ -67,7 +67,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[_runner_pb2.ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class MemorySample(_message.Message):
-    __slots__ = ("rss", "anonymous", "pss", "uss", "peak_rss", "growth_bytes_per_s", "mlx_active", "mlx_cache", "mlx_peak", "mlx_releases", "soft_limit", "hard_limit", "history_samples", "estimate")
+    __slots__ = ("rss", "anonymous", "pss", "uss", "peak_rss", "growth_bytes_per_s", "mlx_active", "mlx_cache", "mlx_peak", "mlx_releases", "soft_limit", "hard_limit", "history_samples", "estimate", "prompt_cache")
     RSS_FIELD_NUMBER: _ClassVar[int]
     ANONYMOUS_FIELD_NUMBER: _ClassVar[int]
     PSS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class MemorySample(_message.Message):
     HARD_LIMIT_FIELD_NUMBER: _ClassVar[int]
     HISTORY_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_FIELD_NUMBER: _ClassVar[int]
     rss: int
     anonymous: int
     pss: int
@@ -96,7 +97,8 @@ class MemorySample(_message.Message):
     hard_limit: int
     history_samples: int
     estimate: int
-    def __init__(self, rss: _Optional[int] = ..., anonymous: _Optional[int] = ..., pss: _Optional[int] = ..., uss: _Optional[int] = ..., peak_rss: _Optional[int] = ..., growth_bytes_per_s: _Optional[float] = ..., mlx_active: _Optional[int] = ..., mlx_cache: _Optional[int] = ..., mlx_peak: _Optional[int] = ..., mlx_releases: _Optional[int] = ..., soft_limit: _Optional[int] = ..., hard_limit: _Optional[int] = ..., history_samples: _Optional[int] = ..., estimate: _Optional[int] = ...) -> None: ...
+    prompt_cache: _runner_pb2.PromptCacheStats
+    def __init__(self, rss: _Optional[int] = ..., anonymous: _Optional[int] = ..., pss: _Optional[int] = ..., uss: _Optional[int] = ..., peak_rss: _Optional[int] = ..., growth_bytes_per_s: _Optional[float] = ..., mlx_active: _Optional[int] = ..., mlx_cache: _Optional[int] = ..., mlx_peak: _Optional[int] = ..., mlx_releases: _Optional[int] = ..., soft_limit: _Optional[int] = ..., hard_limit: _Optional[int] = ..., history_samples: _Optional[int] = ..., estimate: _Optional[int] = ..., prompt_cache: _Optional[_Union[_runner_pb2.PromptCacheStats, _Mapping]] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
     __slots__ = ("name", "state", "reason", "pid", "restarts", "last_used_s_ago", "memory", "target", "draft", "in_flight")

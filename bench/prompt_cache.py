@@ -1,0 +1,132 @@
+"""The prompt cache: a six-turn chat with a ~1,500-token system prompt, cache on and off; malloc_trim's effect.
+
+Each turn sends the whole conversation again (as chat clients do): the system
+prompt, every earlier question and answer, and the new question. With the
+prompt cache the runner prefills only what follows the longest cached prefix.
+Figures are the runner's own (time to first token from its stats, RSS from its
+Memory RPC after each turn), through a real runner process over gRPC.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from pathlib import Path
+
+from pydoc_data.topics import topics
+
+from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
+from runner.protocol import runner_pb2
+
+QUESTIONS = (
+    "What does the for statement do?",
+    "And what happens to the else clause of a loop?",
+    "How does the while statement differ from it?",
+    "What does break do inside nested loops?",
+    "When would you use continue instead?",
+    "Summarise the four answers in one sentence.",
+)
+ANSWER_TOKENS = 48
+
+
+def system_prompt(tokenizer, tokens: int = 1500) -> str:
+    """Python's own reference text (pydoc topics), cut at ~``tokens`` tokens of this tokenizer."""
+    text = "Answer questions about Python using only this reference.\n\n"
+    for name in ("for", "while", "break", "continue", "if", "try", "with", "assignment", "import", "function"):
+        text += topics[name] + "\n"
+        if len(tokenizer.encode(text)) > tokens:
+            break
+    ids = tokenizer.encode(text)[:tokens]
+    return tokenizer.decode(ids)
+
+
+def conversation_requests(folder: Path, chat: bool):
+    """One GenerateRequest per turn, built as the previous answers come back (a generator fed with answers)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    system = system_prompt(tokenizer)
+    history: list[tuple[str, str]] = [("system", system)]
+    for question in QUESTIONS:
+        history.append(("user", question))
+        request = runner_pb2.GenerateRequest(max_tokens=ANSWER_TOKENS, ignore_eos=True)
+        if chat:
+            for role, content in history:
+                request.messages.add(role=role, content=content)
+        else:
+            request.prompt = "".join(f"{role.title()}: {content}\n\n" for role, content in history) + "Assistant:"
+        answer = yield request
+        history.append(("assistant", answer))
+
+
+def run_chat(folder: Path, draft, chat: bool, cache: bool) -> list[dict]:
+    from tests.processes import RunnerProcess
+
+    extra = [] if cache else ["--prompt-cache", "0"]
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = RunnerProcess(Path(tmp) / "sockets", *extra, target=folder, draft=draft, name="bench").wait_serving(300)
+        turns = []
+        try:
+            requests = conversation_requests(folder, chat)
+            request = next(requests)
+            while True:
+                chunks = list(runner.client.stub.Generate(request, timeout=900))
+                stats = chunks[-1].stats
+                memory = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5)
+                turns.append({"prompt": stats.prompt_tokens, "cached": stats.cached_tokens,
+                              "ttft": stats.time_to_first_token_s, "rss": memory.rss,
+                              "cache_bytes": memory.prompt_cache.bytes})
+                try:
+                    request = requests.send("".join(c.text for c in chunks))
+                except StopIteration:
+                    break
+        finally:
+            runner.stop()
+    return turns
+
+
+def malloc_trim_rss(trim: bool) -> list[int]:
+    """RSS after each of four 2000-token generations on the default pair."""
+    from tests.processes import RunnerProcess
+
+    extra = [] if trim else ["--no-malloc-trim"]
+    prompts = ("The for statement is used to iterate", "A class definition defines a class object",
+               "Assignment statements are used to", "The import statement")
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = RunnerProcess(Path(tmp) / "sockets", "--prompt-cache", "0", *extra).wait_serving(120)
+        rss = []
+        try:
+            for prompt in prompts:
+                list(runner.client.generate(timeout=900, prompt=prompt, max_tokens=2000, ignore_eos=True))
+                rss.append(runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5).rss)
+        finally:
+            runner.stop()
+    return rss
+
+
+def run() -> None:
+    print(f"## prompt cache: six-turn chat, ~1,500-token system prompt, {ANSWER_TOKENS}-token answers\n")
+    print("| model | cache | turn | prompt tokens | from the cache | time to first token | vs turn 1 | RSS after the turn |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    summary = []
+    for label, folder, draft, chat in (("SmolLM2 (chat template)", SMOLLM2_DIR, None, True),
+                                       ("default pair (plain text turns)", DEFAULT_TARGET, DEFAULT_DRAFT, False)):
+        for cache in (False, True):
+            turns = run_chat(folder, draft, chat, cache)
+            cold = turns[0]["ttft"]
+            for n, t in enumerate(turns, 1):
+                print(f"| {label} | {'on' if cache else 'off'} | {n} | {t['prompt']} | {t['cached']} | "
+                      f"{t['ttft'] * 1000:.0f} ms | {t['ttft'] / cold:.0%} | {t['rss'] / 2**20:.0f} MiB |")
+            later = [t["ttft"] / cold for t in turns[1:]]
+            summary.append((label, cache, statistics.mean(later), max(later)))
+    print("\n| model | cache | turns 2-6: mean time to first token vs turn 1 | worst |")
+    print("| --- | --- | --- | --- |")
+    for label, cache, mean, worst in summary:
+        print(f"| {label} | {'on' if cache else 'off'} | {mean:.0%} | {worst:.0%} |")
+    with_trim, without = malloc_trim_rss(True), malloc_trim_rss(False)
+    print("\n### malloc_trim after pool releases: runner RSS after each of four 2000-token generations (default pair)\n")
+    print("| generation | with malloc_trim | without | returned |")
+    print("| --- | --- | --- | --- |")
+    for n, (a, b) in enumerate(zip(with_trim, without), 1):
+        print(f"| {n} | {a / 2**20:.0f} MiB | {b / 2**20:.0f} MiB | {(b - a) / 2**20:.0f} MiB |")
+    print()

@@ -1,0 +1,163 @@
+"""The prompt cache: KV caches of finished requests, reused by later requests that share a prefix.
+
+Agent loops and multi-turn chats send a long, growing prefix again on every
+turn. The runner keeps the target's (and the draft's) KV caches of finished
+requests, keyed by the token sequence they hold. A new request takes the entry
+with the longest common prefix: it gets its own copy (trimmed to the shared
+part when the entry is longer), so no two requests ever share one mutable
+cache, and prefills only the rest.
+
+Bounded by bytes, not entries: every entry counts the ``nbytes`` of its arrays
+(the caches' whole buffers, growth slack included), and the least recently used
+entries go when a new one would pass ``budget``. The memory policy can empty it
+(``clear``) before it releases MLX's pool, since evicted buffers land there.
+
+Caches that cannot be trimmed (recurrent or hybrid layers, ``ArraysCache``) are
+reused only when the whole entry is a prefix of the new prompt: there is no
+way to take such a state back to an earlier token.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from dataclasses import dataclass
+
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
+
+
+MIN_REUSE_TOKENS = 8  # a shorter shared prefix (a BOS token, a template's first marker) is not worth a copy
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    # Compare in blocks first: prompts share long prefixes.
+    step = 256
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def cache_bytes(caches: list[list]) -> int:
+    return sum(c.nbytes for layers in caches if layers for c in layers)
+
+
+def trimmed_copy(layers: list, tokens: int) -> list:
+    """A cache holding the first ``tokens`` tokens of ``layers``, sharing no mutable state with it.
+
+    KV layers get views of the first ``tokens`` positions: MLX arrays are
+    copy-on-write, so the copy's later writes never reach the entry. Layers of
+    other kinds (never trimmed here, see the module doc) are deep-copied.
+    """
+    out = []
+    for layer in layers:
+        if isinstance(layer, KVCache):
+            fresh = KVCache()
+            if layer.keys is not None and tokens > 0:
+                fresh.keys = layer.keys[..., :tokens, :]
+                fresh.values = layer.values[..., :tokens, :]
+                fresh.offset = tokens
+            out.append(fresh)
+        else:
+            fresh = copy.copy(layer)
+            if hasattr(layer, "cache") and isinstance(layer.cache, list):
+                fresh.cache = list(layer.cache)  # the arrays are replaced, never written in place
+            elif layer.is_trimmable():
+                fresh = copy.deepcopy(layer)
+                fresh.trim(fresh.size() - tokens)
+            out.append(fresh)
+    return out
+
+
+@dataclass
+class Entry:
+    tokens: list[int]  # what the caches hold, in order
+    caches: list[list]  # one list of layers per model: the target's, then the draft's
+    nbytes: int
+
+
+@dataclass
+class Hit:
+    tokens: int  # prompt tokens the copy holds (0 = a miss)
+    caches: list[list] | None  # the request's own copies, or None on a miss
+
+
+class PromptCache:
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()
+        self._next_key = 0
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.reused_tokens = 0
+        self.evictions = 0
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def lookup(self, prompt: list[int]) -> Hit:
+        """The longest cached prefix of ``prompt`` (never the whole prompt: its last token must be run)."""
+        if not self.enabled or not self._entries:
+            self.misses += 1
+            return Hit(0, None)
+        best_key, best = None, MIN_REUSE_TOKENS - 1
+        limit = len(prompt) - 1
+        for key, entry in reversed(self._entries.items()):  # on a tie, the most recently used
+            shared = min(common_prefix(entry.tokens, prompt), limit)
+            if shared < len(entry.tokens) and not all(can_trim_prompt_cache(c) for c in entry.caches if c):
+                continue  # an untrimmable state is usable only whole
+            if shared > best:
+                best_key, best = key, shared
+        if best_key is None:
+            self.misses += 1
+            return Hit(0, None)
+        entry = self._entries[best_key]
+        self._entries.move_to_end(best_key)
+        self.hits += 1
+        self.reused_tokens += best
+        return Hit(best, [trimmed_copy(layers, best) if layers else layers for layers in entry.caches])
+
+    def store(self, tokens: list[int], caches: list[list]) -> int:
+        """Keep the caches of a finished request (which no longer uses them); returns bytes evicted."""
+        if not self.enabled or not tokens:
+            return 0
+        nbytes = cache_bytes(caches)
+        if nbytes > self.budget:
+            return 0
+        # An entry that is a prefix of the new one adds nothing the new one does not hold.
+        for key in [k for k, e in self._entries.items() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
+            self._drop(key)
+        evicted = 0
+        while self._entries and self.nbytes + nbytes > self.budget:
+            evicted += self._evict_oldest()
+        self._entries[self._next_key] = Entry(list(tokens), caches, nbytes)
+        self._next_key += 1
+        self.nbytes += nbytes
+        return evicted
+
+    def _drop(self, key: int) -> int:
+        entry = self._entries.pop(key)
+        self.nbytes -= entry.nbytes
+        return entry.nbytes
+
+    def _evict_oldest(self) -> int:
+        key = next(iter(self._entries))
+        self.evictions += 1
+        return self._drop(key)
+
+    def clear(self) -> tuple[int, int]:
+        """Evict every entry; returns (entries, bytes) evicted."""
+        entries, nbytes = len(self._entries), self.nbytes
+        self.evictions += entries
+        self._entries.clear()
+        self.nbytes = 0
+        return entries, nbytes
