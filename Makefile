@@ -1,4 +1,4 @@
-# make run   - set everything up, serve the default model pair and answer a sample request
+# make run   - set everything up, serve the default model pair (and SmolLM2) and answer sample requests
 # make test  - the test suite
 PYTHON ?= python3
 VENV := .venv
@@ -33,7 +33,7 @@ bench: install real-model
 models: install
 	$(WITH_BLAS) MKL_THREADING_LAYER=GNU $(BIN)/python models/train.py
 
-run: install
+run: install real-model
 	$(BIN)/python -m supervisor serve --sample-request
 
 clean:

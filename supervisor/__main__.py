@@ -12,6 +12,7 @@ import grpc
 from .config import DEFAULT_LISTEN, ConfigError, default_config, load
 
 SAMPLE_PROMPT = "The for statement is used to iterate over the elements of a sequence"
+SAMPLE_QUESTION = "What is the capital of France?"
 
 
 def serve(args) -> int:
@@ -38,6 +39,9 @@ def serve(args) -> int:
     if args.sample_request and supervisor.scheduler.runners[next(iter(config.models))].wait_serving(
             config.startup_timeout).name == "SERVING":
         answer_sample_request(config.listen, next(iter(config.models)))
+        if "smollm2" in config.models and config.http_listen:
+            answer_sample_chat(config.http_listen, "smollm2")
+        print("--- serving until Ctrl-C\n", flush=True)
     supervisor.serve_until(lambda: bool(signalled))
     return 0
 
@@ -51,8 +55,30 @@ def answer_sample_request(address: str, model: str) -> None:
         for last in client.generate(model=model, prompt=SAMPLE_PROMPT, max_tokens=120, timeout=300):
             print(last.text, end="", flush=True)
         s = last.stats
-        print(f"\n--- {s.generated_tokens} tokens, {s.tokens_per_second:.0f} tok/s, acceptance {s.acceptance_rate:.2f}; "
-              f"serving until Ctrl-C (python -m supervisor generate --model {model} \"...\")\n", flush=True)
+        print(f"\n--- {s.generated_tokens} tokens, {s.tokens_per_second:.0f} tok/s, acceptance {s.acceptance_rate:.2f} "
+              f"(python -m supervisor generate --model {model} \"...\")\n", flush=True)
+
+
+def answer_sample_chat(http_listen: str, model: str) -> None:
+    """One chat question to the real model through the OpenAI-compatible HTTP API (the model loads on demand)."""
+    import json
+    import urllib.request
+
+    body = {"model": model, "messages": [{"role": "user", "content": SAMPLE_QUESTION}], "temperature": 0,
+            "max_tokens": 60}
+    url = f"http://{http_listen}/v1/chat/completions"
+    print(f"--- sample chat to model {model!r}: POST {url}\n{SAMPLE_QUESTION}", flush=True)
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            answer = json.load(response)
+    except OSError as error:
+        print(f"--- the sample chat failed: {error}", flush=True)
+        return
+    usage, extra = answer["usage"], answer["x_mlxserve"]
+    print(answer["choices"][0]["message"]["content"])
+    print(f"--- {usage['completion_tokens']} tokens, {extra['tokens_per_second']:.0f} tok/s "
+          f"(python -m supervisor chat --model {model})\n", flush=True)
 
 
 def client_command(args) -> int:
