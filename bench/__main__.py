@@ -2,7 +2,7 @@ import sys
 
 from runner.cpu_blas import reexec_with_fast_blas
 
-SECTIONS = ("engine", "runner", "supervisor", "real_model", "prompt_cache")
+SECTIONS = ("speculation", "runner", "supervisor", "real_model", "prompt_cache")
 
 
 def main() -> None:

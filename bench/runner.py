@@ -13,7 +13,12 @@ from runner.cpu_blas import fast_blas_environment
 from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from runner.engine import Engine, GenerationRequest
 
-from .engine import PROMPTS, TOKENS
+PROMPTS = (
+    "The for statement is used to iterate over the elements of a sequence",
+    "Assignment statements are used to (re-)bind names to values",
+    "A class definition defines a class object",
+)
+TOKENS = 512
 
 
 def in_process(engine: Engine) -> tuple[float, float]:

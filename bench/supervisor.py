@@ -17,8 +17,7 @@ from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from runner.engine import Engine
 from supervisor.client import SupervisorClient
 
-from .engine import PROMPTS, TOKENS
-from .runner import in_process, over_grpc
+from .runner import PROMPTS, TOKENS, in_process, over_grpc
 
 
 def through_supervisor(client: SupervisorClient, model: str) -> tuple[float, float]:

@@ -27,8 +27,9 @@ PR_SET_PDEATHSIG = 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from .defaults import (DEFAULT_GRACE, DEFAULT_MAX_QUEUE, DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK,
-                           DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER, DTYPES)
+    from .defaults import (DEFAULT_GRACE, DEFAULT_MAX_BATCH, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_NGRAM_MAX,
+                           DEFAULT_NGRAM_MIN, DEFAULT_PREFILL_CHUNK, DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER,
+                           DTYPES, MAX_NUM_DRAFT_TOKENS)
 
     p = argparse.ArgumentParser(prog="python -m runner", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,7 +37,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft", type=Path, help="draft model folder; omit for plain decoding")
     p.add_argument("--listen", required=True, help="unix:///path or HOST:PORT")
     p.add_argument("--name", default="default", help="model name, for logs and Info")
-    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS)
+    p.add_argument("--num-draft-tokens", default="auto",
+                   help="auto: choose the depth round by round (runner/depth.py); a number pins it")
+    p.add_argument("--max-draft-tokens", type=int, default=DEFAULT_MAX_DRAFT_TOKENS,
+                   help="the deepest round the adaptive depth tries")
+    p.add_argument("--drafter", choices=("model", "ngram", "none"), default=None,
+                   help="what drafts: the draft model, n-gram lookup in the context, or nothing "
+                        "(default: model when --draft is given, else ngram)")
+    p.add_argument("--ngram-max", type=int, default=DEFAULT_NGRAM_MAX, help="longest suffix n-gram lookup matches")
+    p.add_argument("--ngram-min", type=int, default=DEFAULT_NGRAM_MIN, help="shortest suffix n-gram lookup matches")
     p.add_argument("--release-interval", type=int, default=DEFAULT_RELEASE_INTERVAL)
     p.add_argument("--cache-limit", default="default", help='"default", "unbounded" or bytes')
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK)
@@ -49,7 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-malloc-trim", action="store_true",
                    help="do not give freed heap memory back to the system after pool releases")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                   help="requests that may wait behind the running one")
+                   help="requests that may wait for a place in the batch; the next one is refused")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help="requests decoded together at most (1 = one at a time)")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE, help="seconds in-flight work gets after SIGTERM")
     p.add_argument("--stall-after", type=float, default=DEFAULT_STALL_AFTER,
                    help="health turns NOT_SERVING when the MLX thread makes no progress for this long; "
@@ -63,6 +74,21 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.cache_limit = int(args.cache_limit)
         except ValueError:
             p.error("--cache-limit must be default, unbounded or a number of bytes")
+    if args.num_draft_tokens == "auto":
+        args.num_draft_tokens = None
+    else:
+        try:
+            args.num_draft_tokens = int(args.num_draft_tokens)
+        except ValueError:
+            p.error("--num-draft-tokens must be auto or a number")
+        if not 0 <= args.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+            p.error(f"--num-draft-tokens must lie in [0, {MAX_NUM_DRAFT_TOKENS}]")
+    if not 1 <= args.max_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+        p.error(f"--max-draft-tokens must lie in [1, {MAX_NUM_DRAFT_TOKENS}]")
+    if not 1 <= args.ngram_min <= args.ngram_max:
+        p.error("--ngram-min must be at least 1 and at most --ngram-max")
+    if args.max_batch < 1:
+        p.error("--max-batch must be at least 1")
     if args.release_interval <= 0 or args.max_queue < 0 or args.prefill_chunk <= 0:
         p.error("--release-interval and --prefill-chunk must be positive, --max-queue >= 0")
     if args.max_context is not None and args.max_context < 2:
@@ -136,7 +162,7 @@ def main(argv=None) -> int:
         if args.listen.startswith("unix:"):
             prepare_unix_socket(args.listen)
         server = RunnerServer(RunnerService(args.name, args.debug_rpcs), args.listen, args.max_queue,
-                              args.stall_after)
+                              args.stall_after, args.max_batch)
         server.start()
         if args.listen.startswith("unix:"):
             os.chmod(args.listen.removeprefix("unix://"), 0o600)
@@ -150,6 +176,8 @@ def main(argv=None) -> int:
         prefill_chunk=args.prefill_chunk, cache_limit=args.cache_limit, release_enabled=not args.no_release,
         dtype=args.dtype, max_context=args.max_context, prefill_seconds=args.stall_after / 4,
         prompt_cache_bytes=args.prompt_cache, malloc_trim=not args.no_malloc_trim,
+        max_draft_tokens=args.max_draft_tokens, drafter=args.drafter or "", ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
     )
     started = time.perf_counter()
     try:
@@ -168,13 +196,15 @@ def main(argv=None) -> int:
         server.shutdown(0)
         return 0
     server.attach(engine, on_fatal)
-    log.info("serving %s after %.2f s: %s, %s on the %s (%s), context %d; %s, k=%d; release every %d tokens%s, "
-             "cache limit %d; prompt cache %d bytes", args.name, time.perf_counter() - started, engine.target.config.get("model_type"),
-             engine.target.compute_dtype, engine.device, engine.dtype_reason, engine.context_length,
-             engine.speculative_note, engine.default_num_draft_tokens, settings.release_interval,
+    log.info("serving %s after %.2f s: %s, %s on the %s (%s), context %d; %s; release every %d tokens%s, "
+             "cache limit %d; prompt cache %d bytes", args.name, time.perf_counter() - started,
+             engine.target.config.get("model_type"), engine.target.compute_dtype, engine.device, engine.dtype_reason,
+             engine.context_length, engine.speculative_note, settings.release_interval,
              "" if settings.release_enabled else " DISABLED", engine.cache_limit, engine.prompt_cache.budget)
-    if engine.draft is not None and not engine.speculative:
+    if not engine.speculative and (args.drafter or "none") != "none":
         log.warning("speculative decoding is off: %s", engine.speculative_note)
+    elif engine.draft is not None and engine.drafters["model"]:
+        log.warning("speculative decoding with the draft model is off: %s", engine.drafters["model"])
     while not (signalled or stopping.wait(0.1)):
         pass
     log.info("stopping (grace %.1f s)", args.grace)

@@ -13,8 +13,11 @@ DEFAULT_DRAFT = MODELS_DIR / "default" / "draft"
 SMOLLM2_DIR = MODELS_DIR / "smollm2"  # make real-model (outside git)
 
 # Decoding.
-DEFAULT_NUM_DRAFT_TOKENS = 1  # best fixed k in bench/engine.py on the default pair
+DEFAULT_NUM_DRAFT_TOKENS = 1  # best fixed k in bench/engine.py on the default pair; seeded sampling uses it
 MAX_NUM_DRAFT_TOKENS = 16
+DEFAULT_MAX_DRAFT_TOKENS = 6  # the deepest round the adaptive depth tries
+DEFAULT_NGRAM_MAX = 4  # prompt lookup: the longest suffix it matches...
+DEFAULT_NGRAM_MIN = 2  # ...and the shortest
 DEFAULT_RELEASE_INTERVAL = 256  # mlx-lm's KVCache.step: the cache grows in steps of this many tokens
 DEFAULT_PREFILL_CHUNK = 2048  # the most prompt tokens one forward pass takes
 # On the CPU, attention materialises a (heads x chunk x context) float32 score matrix: chunks are
@@ -26,7 +29,8 @@ DTYPES = ("auto", "checkpoint", "float32")
 DEFAULT_DTYPE = "auto"
 
 # The runner process.
-DEFAULT_MAX_QUEUE = 8
+DEFAULT_MAX_QUEUE = 512  # requests that may wait for a place in the batch (Ollama waits up to 512)
+DEFAULT_MAX_BATCH = 16  # requests decoded together; chosen from bench/batching.py
 DEFAULT_STALL_AFTER = 30.0  # seconds without progress of the MLX thread before health says NOT_SERVING
 DEFAULT_GRACE = 10.0
 MAX_MESSAGE_BYTES = 8 * 2**20

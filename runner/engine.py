@@ -1,40 +1,44 @@
-"""The decode engine: a target model, an optional draft, and the speculative decode loop.
+"""The decode engine: a target model, an optional draft, and the request loop.
 
-``Engine.generate`` is a generator of ``Round`` objects, one per speculative
-round: the draft proposes up to k tokens, the target checks them in one
-forward pass, the accepted prefix plus one target token is emitted, and both
-KV caches are rewound past the rejected part. After every round the release
-rule (``runner.release``) decides whether the round crossed a multiple of the
-release interval and, if so, empties MLX's buffer pool.
+``Engine.generate`` is a generator of ``Round`` objects, one per round of a
+decoder (``runner.decoders``): a plain round emits one token; a speculative
+round has a drafter (``runner.drafters``: the draft model or n-gram lookup)
+propose up to k tokens (k from the per-runner depth controller,
+``runner.depth``), the target checks them in one forward pass, the accepted
+prefix plus one target token is emitted, and the caches are rewound past the
+rejected part. After every round the release rule (``runner.release``) decides
+whether the round crossed a multiple of the release interval and, if so,
+empties MLX's buffer pool.
 
 mlx-lm provides the model classes and KV caches; the loop is our own because
-mlx-lm's ``speculative_generate_step`` never releases the pool while decoding.
+mlx-lm's ``speculative_generate_step`` never releases the pool while decoding
+(and has no n-gram drafter, adaptive depth or rewinding of recurrent layers).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
 import psutil
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .defaults import (DEFAULT_DTYPE, DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES,
+from .decoders import Decoder, PlainDecoder, SpeculativeDecoder
+from .defaults import (DEFAULT_DTYPE, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
+                       DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES,
                        DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER)
-from .errors import TokenizerMismatch
+from .depth import DepthController, FixedDepth
+from .drafters import DRAFTERS, ModelDrafter, NgramDrafter
+from .errors import InvalidRequest, TokenizerMismatch
 from .footprint import ModelFootprint, default_prompt_cache_bytes, expected_device, resolve_dtype
 from .loading import LoadedModel, load_model
 from .malloc import malloc_trim
 from .prefill import PrefillPlanner
 from .prompt_cache import Hit, PromptCache
-from .release import ReleaseSchedule
 from .request import GenerationRequest, PreparedRequest, prepare
-from .sampling import SamplingParams, filtered_probs, sample, verify_greedy, verify_sampled
-from .stopping import StoppingCriteria
+from .session import Session
 
 log = logging.getLogger("runner")
 
@@ -46,7 +50,11 @@ CACHE_LIMIT_UNBOUNDED = "unbounded"
 
 @dataclass(frozen=True)
 class EngineSettings:
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    num_draft_tokens: int | None = None  # None = adaptive depth (runner.depth); a number pins k
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # the deepest round the adaptive depth tries
+    drafter: str = ""  # "model", "ngram" or "none"; "" = the draft model when there is one, else n-gram lookup
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    ngram_min: int = DEFAULT_NGRAM_MIN
     release_interval: int = DEFAULT_RELEASE_INTERVAL
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     cache_limit: str | int = CACHE_LIMIT_DEFAULT  # "default", "unbounded" or bytes
@@ -77,6 +85,7 @@ class GenerationStats:
     prefill_chunks: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
     drafter: str = "none"  # what proposed the drafts
+    depths: dict[int, int] = field(default_factory=dict)  # draft depth -> rounds at that depth
 
     @property
     def acceptance_rate(self) -> float:
@@ -195,16 +204,50 @@ class Engine:
         self.total_releases = 0
         budget = settings.prompt_cache_bytes
         self.prompt_cache = PromptCache(default_prompt_cache_bytes() if budget is None else budget)
-        self.speculative, self.speculative_note = self._can_speculate()
+        self.drafters = self._available_drafters()
+        self.default_drafter = self._default_drafter()
+        # Learned per runner and drafter: acceptance by position and round time by depth.
+        self.depth = {name: DepthController(settings.max_draft_tokens,
+                                            start=min(DEFAULT_NUM_DRAFT_TOKENS, settings.max_draft_tokens))
+                      for name in self.drafters if name != "none"}
 
-    def _can_speculate(self) -> tuple[bool, str]:
+    def _available_drafters(self) -> dict[str, str]:
+        """drafter -> "" when usable, else why not."""
+        reasons = {"none": ""}
+        target_ok = self.target.rewindable
+        why_not_target = "" if target_ok else (f"{self.target.path.name}'s cache cannot be rewound "
+                                                f"({self.target.cache_description()})")
+        reasons["ngram"] = why_not_target
         if self.draft is None:
-            return False, "no draft model"
-        for loaded in (self.target, self.draft):
-            if not loaded.rewindable:
-                return False, (f"{loaded.path.name}'s cache cannot be rewound ({loaded.cache_description()}): "
-                               "plain decoding")
-        return True, "draft model"
+            reasons["model"] = "no draft model"
+        elif not self.draft.rewindable:
+            reasons["model"] = f"{self.draft.path.name}'s cache cannot be rewound ({self.draft.cache_description()})"
+        else:
+            reasons["model"] = why_not_target
+        return reasons
+
+    def _default_drafter(self) -> str:
+        wanted = self.settings.drafter or ("model" if self.draft is not None else "ngram")
+        if wanted not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}")
+        return wanted if not self.drafters[wanted] else "none"
+
+    @property
+    def speculative(self) -> bool:
+        return self.default_drafter != "none"
+
+    @property
+    def speculative_note(self) -> str:
+        """How the runner decodes by default, in words."""
+        wanted = self.settings.drafter or ("model" if self.draft is not None else "ngram")
+        if self.default_drafter == "none":
+            why = self.drafters.get(wanted) or "drafter = \"none\""
+            return f"plain decoding: {why}"
+        depth = (f"k = {self.settings.num_draft_tokens}" if self.settings.num_draft_tokens is not None
+                 else f"adaptive depth up to {self.settings.max_draft_tokens}")
+        source = "draft model" if self.default_drafter == "model" else (
+            f"n-gram lookup (n = {self.settings.ngram_max}..{self.settings.ngram_min})")
+        return f"speculative: {source}, {depth}"
 
     @classmethod
     def load(cls, target_dir, draft_dir=None, settings: EngineSettings = EngineSettings()) -> "Engine":
@@ -232,13 +275,20 @@ class Engine:
 
     @property
     def default_num_draft_tokens(self) -> int:
-        return self.settings.num_draft_tokens if self.speculative else 0
+        """The pinned k, the adaptive depth's current best, or 0 without drafting."""
+        if not self.speculative:
+            return 0
+        if self.settings.num_draft_tokens is not None:
+            return self.settings.num_draft_tokens
+        return self.depth[self.default_drafter].best()
 
     def warm_up(self) -> None:
-        """One short generation, so the first real request does not pay for first-use setup."""
-        for _ in self.generate(GenerationRequest(prompt_ids=(0, 5, 6, 7), max_tokens=8, ignore_eos=True,
-                                                 cache_prompt=False)):
-            pass
+        """Short generations, so the first real request does not pay for first-use setup."""
+        for drafter in [name for name, why in self.drafters.items() if not why]:
+            for _ in self.generate(GenerationRequest(prompt_ids=(0, 5, 6, 7, 5, 6, 7, 5), max_tokens=8,
+                                                     ignore_eos=True, cache_prompt=False, drafter=drafter,
+                                                     num_draft_tokens=0 if drafter == "none" else 2)):
+                pass
 
     def release_memory(self, prompt_cache: bool = False) -> Released:
         """Empty the pool now (after the prompt cache, when asked): its buffers go back to the system."""
@@ -252,9 +302,15 @@ class Engine:
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Validate and tokenize a request once (raises InvalidRequest naming the field)."""
+        if request.drafter:
+            if request.drafter not in DRAFTERS:
+                raise InvalidRequest("drafter", f"must be one of {', '.join(DRAFTERS)} (or empty)")
+            if self.drafters[request.drafter]:
+                raise InvalidRequest("drafter", f"{request.drafter!r} is not available: "
+                                                f"{self.drafters[request.drafter]}")
         return prepare(request, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                        context_length=self.context_length, default_num_draft_tokens=self.default_num_draft_tokens,
-                       can_draft=self.speculative)
+                       can_draft=self.speculative or bool(request.drafter and request.drafter != "none"))
 
     def prefill_planner(self) -> PrefillPlanner:
         heads = max(getattr(m.model.args, "num_attention_heads", 1) or 1
@@ -262,229 +318,54 @@ class Engine:
         return PrefillPlanner(heads, self.settings.prefill_chunk, self.settings.prefill_seconds,
                               self.settings.prefill_score_bytes if self.device == "cpu" else None)
 
+    def decoder(self, prepared: PreparedRequest, reuse: Hit) -> Decoder:
+        """The decoder for one request: plain, or speculative with its drafter and depth."""
+        request = prepared.request
+        drafter = request.drafter or self.default_drafter
+        pinned = request.num_draft_tokens if request.num_draft_tokens is not None else self.settings.num_draft_tokens
+        key = mx.random.key(prepared.seed)
+        cache, held = (reuse.caches[0], reuse.tokens) if reuse.caches else (None, 0)
+        seeded_sampling = request.seed is not None and not prepared.params.greedy
+        if drafter == "none" or pinned == 0 or (seeded_sampling and request.num_draft_tokens is None):
+            # A seeded sample draws one key per token, the same alone or in a batch: no drafting unless pinned.
+            return PlainDecoder(self.target.model, prepared.prompt_ids, prepared.params, key, cache, held)
+        depth = FixedDepth(pinned) if pinned is not None else self.depth[drafter]
+        if drafter == "model":
+            draft_cache, draft_held = ((reuse.caches[1], reuse.tokens) if reuse.caches and len(reuse.caches) > 1
+                                       else (None, 0))
+            source = ModelDrafter(self.draft.model, draft_cache, draft_held)
+        else:
+            source = NgramDrafter(prepared.prompt_ids, self.settings.ngram_max, self.settings.ngram_min)
+        return SpeculativeDecoder(self.target.model, prepared.prompt_ids, prepared.params, key, source, depth,
+                                  cache, held)
+
     # -- generation ---------------------------------------------------------
 
     def generate(self, request: GenerationRequest | PreparedRequest, cancelled=lambda: False) -> Iterator[Round]:
-        """Stream the rounds of one request.
+        """Stream the rounds of one request, alone (``runner.worker`` interleaves and batches sessions).
 
         ``cancelled()`` is called between prefill chunks and between rounds: it is
         where the caller shows progress, and it ends the generation by returning True.
         """
         prepared = request if isinstance(request, PreparedRequest) else self.prepare(request)
-        reuse = self.prompt_cache.lookup(prepared.prompt_ids) if prepared.cache_prompt else Hit(0, None)
-        decoder = _Decoder(self, prepared.prompt_ids, prepared.params, prepared.num_draft_tokens,
-                           mx.random.key(prepared.seed), reuse)
-        stopping = StoppingCriteria(self.tokenizer, prepared.eos_ids, prepared.request.stop, prepared.max_tokens)
-        schedule = ReleaseSchedule(self.release_memory, self.settings.release_interval, self.settings.release_enabled)
-        stats = GenerationStats(prompt_tokens=len(prepared.prompt_ids), cached_tokens=reuse.tokens,
-                                drafter="model" if decoder.k > 0 else "none")
-        max_tokens = prepared.max_tokens
-
-        mx.reset_peak_memory()
-        start = time.perf_counter()
-        finish_reason = None
-        final_round = Round([], "")
-        completed = False
+        session = Session(self, prepared)
+        last = None
         try:
-            if not decoder.prefill(self.prefill_planner(), cancelled, stats.prefill_chunks):
-                finish_reason = "cancelled"
-            stats.prefill_seconds = time.perf_counter() - start
-            while finish_reason is None:
+            while not session.prefill_chunk():
                 if cancelled():
-                    finish_reason = "cancelled"
+                    session.cancel()
                     break
-                proposed, drafted, accepted = decoder.round(max_tokens - stats.generated_tokens)
-                emitted, delta = [], ""
-                for token in proposed:
-                    decision = stopping(token)
-                    if decision.emit:
-                        emitted.append(token)
-                        delta += decision.text
-                    if decision.finish_reason is not None:
-                        finish_reason = decision.finish_reason
-                        break
-                logprobs = (token_logprobs(self.tokenizer, decoder.logits, emitted, prepared.top_logprobs)
-                            if prepared.logprobs else [])
-                before = stats.generated_tokens
-                stats.generated_tokens += len(emitted)
-                stats.rounds += 1
-                stats.drafted += drafted
-                stats.accepted += accepted
-                if stats.rounds == 1:
-                    stats.time_to_first_token = time.perf_counter() - start
-                schedule.after_round(before, stats.generated_tokens)
-                if finish_reason is None:
-                    yield Round(emitted, delta, drafted, accepted, logprobs=logprobs)
-                else:
-                    final_round = Round(emitted, delta, drafted, accepted, logprobs=logprobs)
-            completed = True
-        finally:
-            if completed and prepared.cache_prompt:  # what the caches hold is sound: later requests may start here
-                self.prompt_cache.store(*decoder.cached_state())
-            decoder.close()
-            schedule.at_end()
-        if not stats.prefill_seconds:
-            stats.prefill_seconds = time.perf_counter() - start
-        stats.decode_seconds = time.perf_counter() - start - stats.prefill_seconds
-        stats.releases = schedule.count
-        stats.release_positions = list(schedule.positions)
-        stats.active_memory = mx.get_active_memory()
-        stats.cache_memory = mx.get_cache_memory()
-        stats.peak_memory = mx.get_peak_memory()
-        if finish_reason == "cancelled":
-            final_round = Round([], "")
-        else:
-            final_round.text += stopping.finish()
-        final_round.finish_reason = finish_reason
-        final_round.stats = stats
-        yield final_round
-
-
-class _Decoder:
-    """The model-side state of one request: both KV caches and the pending token.
-
-    Invariant between rounds: both caches hold every emitted token except the
-    last one, ``pending``, which neither model has seen yet. After a round in
-    which every draft was accepted, the draft has also not seen the last
-    draft token, which ``draft_backlog`` carries into the next round.
-
-    ``reuse`` is a prompt-cache hit: the request's own copies of caches that
-    already hold the first ``reuse.tokens`` prompt tokens, so only the rest is
-    prefilled.
-    """
-
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, k: int, key,
-                 reuse: Hit | None = None):
-        self.engine = engine
-        self.target = engine.target.model
-        self.draft = engine.draft.model if engine.draft is not None and k > 0 else None
-        self.params = params
-        self.k = k if self.draft is not None else 0
-        self.key = key
-        self.prompt_ids = prompt_ids
-        self.tokens = list(prompt_ids)  # the prompt, then every token a round chose
-        self.target_cache = make_prompt_cache(self.target)
-        self.draft_cache = make_prompt_cache(self.draft) if self.draft is not None else None
-        self.target_held = self.draft_held = 0  # tokens each cache holds
-        if reuse is not None and reuse.caches:
-            self.target_cache, self.target_held = reuse.caches[0], reuse.tokens
-            if self.draft is not None and len(reuse.caches) > 1 and reuse.caches[1] is not None:
-                self.draft_cache, self.draft_held = reuse.caches[1], reuse.tokens
-        self.pending = prompt_ids[-1]
-        self.draft_backlog: list[int] = []
-        self.logits: mx.array | None = None
-
-    def prefill(self, planner: PrefillPlanner, between=lambda: False, sizes: list | None = None) -> bool:
-        """Run the prompt (all but its last token) through both models in planned chunks,
-        each from where its cache already is.
-
-        ``between()`` runs after every chunk (the caller's sign of progress); when it
-        returns True the prefill stops there and this returns False.
-        """
-        context = self.prompt_ids[:-1]
-        offset = min(held for _, _, held in self._models())
-        while offset < len(context):
-            size = planner.next_chunk(offset, len(context) - offset)
-            started = time.perf_counter()
-            for model, cache, held in self._models():
-                if held < offset + size:
-                    model(mx.array(context[max(held, offset) : offset + size])[None], cache=cache)
-                    mx.eval([c.state for c in cache])
-            self.target_held = max(self.target_held, offset + size)
-            if self.draft is not None:
-                self.draft_held = max(self.draft_held, offset + size)
-            mx.clear_cache()
-            planner.record(offset, size, time.perf_counter() - started)
-            offset += size
-            if sizes is not None:
-                sizes.append(size)
-            if between():
-                return False
-        return True
-
-    def cached_state(self) -> tuple[list[int], list]:
-        """The tokens the caches hold and the caches themselves, for the prompt cache (the request is over)."""
-        held = self.target_held
-        caches = [self.target_cache]
-        if self.draft is not None:
-            if self.draft_held < held:  # the draft lags by its backlog: keep what both hold
-                trim_prompt_cache(self.target_cache, held - self.draft_held)
-                held = self.draft_held
-            caches.append(self.draft_cache)
-        return self.tokens[:held], caches
-
-    def round(self, budget: int) -> tuple[list[int], int, int]:
-        """One speculative round; returns (tokens, drafted, accepted), never more than ``budget`` tokens."""
-        k = min(self.k, budget - 1)
-        self.key, round_key = mx.random.split(self.key)
-        draft_key, verify_key = mx.random.split(round_key)
-        draft_tokens, draft_probs = self._propose(k, draft_key)
-        verify_input = mx.array([self.pending], dtype=mx.uint32)
-        if k > 0:
-            verify_input = mx.concatenate([verify_input, draft_tokens.astype(mx.uint32)])
-        logits = self.target(verify_input[None], cache=self.target_cache)[0]
-        self.logits = logits  # row i chose the i-th token of this round
-        if k == 0:
-            next_token = self._choose(logits[-1], verify_key)
-            mx.eval(next_token)
-            accepted = 0
-            tokens = [next_token.item()]
-        else:
-            if self.params.greedy:
-                verdict = verify_greedy(logits, draft_tokens)
-            else:
-                verdict = verify_sampled(filtered_probs(logits, self.params), draft_probs, draft_tokens, verify_key)
-            mx.eval(verdict.accepted, verdict.next_token, draft_tokens)
-            accepted = verdict.accepted.item()
-            drafts = draft_tokens.tolist()
-            tokens = drafts[:accepted] + [verdict.next_token.item()]
-            self._rewind(k, accepted, drafts)
-        self.pending = tokens[-1]
-        self.tokens += tokens
-        self.target_held = len(self.tokens) - 1  # all but pending
-        self.draft_held = self.target_held - len(self.draft_backlog)
-        return tokens, k, accepted
-
-    def _propose(self, k: int, key) -> tuple[mx.array | None, mx.array | None]:
-        """The draft's k proposals (lazy) and, when sampling, its distributions."""
-        if k == 0:
-            return None, None
-        inputs = self.draft_backlog + [self.pending]
-        self.draft_backlog = []
-        tokens, probs = [], []
-        step_input = mx.array(inputs)
-        for step_key in mx.random.split(key, k):
-            logits = self.draft(step_input[None], cache=self.draft_cache)[0, -1]
-            if self.params.greedy:
-                token = mx.argmax(logits, axis=-1)
-            else:
-                q = filtered_probs(logits, self.params)
-                token = sample(q, step_key)
-                probs.append(q)
-            mx.async_eval(token)
-            tokens.append(token)
-            step_input = token[None]
-        return mx.stack(tokens), (mx.stack(probs) if probs else None)
-
-    def _choose(self, logits: mx.array, key) -> mx.array:
-        if self.params.greedy:
-            return mx.argmax(logits, axis=-1)
-        return sample(filtered_probs(logits, self.params), key)
-
-    def _rewind(self, k: int, accepted: int, drafts: list[int]) -> None:
-        """Drop the rejected drafts from both caches."""
-        trim_prompt_cache(self.target_cache, k - accepted)
-        # The draft saw pending + drafts[:-1]; it keeps pending + drafts[:accepted].
-        if accepted == k:
-            self.draft_backlog = [drafts[-1]]
-        else:
-            trim_prompt_cache(self.draft_cache, k - 1 - accepted)
-
-    def _models(self):
-        yield self.target, self.target_cache, self.target_held
-        if self.draft is not None:
-            yield self.draft, self.draft_cache, self.draft_held
-
-    def close(self) -> None:
-        self.target_cache = self.draft_cache = None
-
+            if not session.done and cancelled():
+                session.cancel()
+            while not session.done:
+                round_ = session.solo_round()
+                if session.done:
+                    last = round_
+                    break
+                yield round_
+                if cancelled():
+                    session.cancel()
+        except BaseException:
+            session.abandon()
+            raise
+        yield session.final_round(last)

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import dequantize_model, get_total_parameters
 
 from .errors import ModelLoadError
 from .footprint import context_length
+from .rewind import rewindable
 
 
 @dataclass
@@ -66,8 +67,9 @@ class LoadedModel:
 
     @property
     def rewindable(self) -> bool:
-        """Its KV caches can drop their last tokens (speculative decoding needs that)."""
-        return can_trim_prompt_cache(make_prompt_cache(self.model))
+        """Its caches can be taken back past rejected drafts (speculative decoding needs it): trimmed,
+        or restored and fed again (``runner.rewind``)."""
+        return rewindable(make_prompt_cache(self.model))
 
     def cache_description(self) -> str:
         kinds = sorted({type(c).__name__ for c in make_prompt_cache(self.model)})

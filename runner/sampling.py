@@ -102,3 +102,13 @@ def _leading_true(flags: mx.array) -> mx.array:
     if flags.size == 0:
         return mx.array(0)
     return mx.sum(mx.cumprod(flags.astype(mx.int32)))
+
+
+def point_mass(tokens: mx.array, vocab: int) -> mx.array:
+    """Draft 'distributions' of a drafter without one (n-gram lookup): all mass on the proposed token.
+
+    With these, ``verify_sampled`` keeps a drafted token d with probability p(d), and on a
+    rejection draws from p with d removed and renormalised (max(0, p - q)): the emitted
+    tokens are still distributed exactly as the target's own samples.
+    """
+    return (mx.arange(vocab)[None, :] == tokens.astype(mx.int32)[:, None]).astype(mx.float32)

@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import __version__
-from .defaults import CHANNEL_OPTIONS, DEFAULT_MAX_QUEUE, DEFAULT_STALL_AFTER
+from .defaults import CHANNEL_OPTIONS, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_STALL_AFTER
 from .engine import Engine, GenerationStats, Round
 from .errors import NotReady
 from .loading import LoadedModel
@@ -71,7 +71,7 @@ def stats_to_proto(s: GenerationStats) -> runner_pb2.GenerationStats:
         prefill_s=s.prefill_seconds, decode_s=s.decode_seconds, tokens_per_second=s.tokens_per_second,
         releases=s.releases, release_positions=s.release_positions,
         active_memory=s.active_memory, cache_memory=s.cache_memory, peak_memory=s.peak_memory,
-        prefill_chunks=s.prefill_chunks, cached_tokens=s.cached_tokens, drafter=s.drafter,
+        prefill_chunks=s.prefill_chunks, cached_tokens=s.cached_tokens, drafter=s.drafter, depths=s.depths,
     )
 
 
@@ -147,8 +147,11 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             num_draft_tokens=engine.default_num_draft_tokens,
             release_interval=engine.settings.release_interval, release_enabled=engine.settings.release_enabled,
             cache_limit=engine.cache_limit, version=__version__, pid=os.getpid(), max_queue=self.worker.max_queue,
+            max_batch=self.worker.max_batch,
             speculative=engine.speculative, decoding=engine.speculative_note, dtype_reason=engine.dtype_reason,
             runtime_rss=self.runtime_rss, prompt_cache_budget=engine.prompt_cache.budget,
+            drafter=engine.default_drafter, adaptive_depth=engine.speculative and engine.settings.num_draft_tokens is None,
+            max_draft_tokens=engine.settings.max_draft_tokens,
         )
         if engine.draft is not None:
             response.draft.CopyFrom(model_info(engine.draft))
@@ -162,6 +165,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             cache_limit=self.engine.cache_limit if self.engine else 0, memory_limit=mx.get_memory_limit(),
             releases=self.engine.total_releases if self.engine else 0, rss=self._process.memory_info().rss,
             queued=worker.queued if worker else 0, busy=worker.busy if worker else False, peak_rss=peak_rss(),
+            active_requests=worker.active if worker else 0,
             prompt_cache=prompt_cache_stats(self.engine.prompt_cache) if self.engine else None,
         )
 
@@ -198,16 +202,18 @@ class RunnerServer:
     """gRPC server, health and reflection around one RunnerService."""
 
     def __init__(self, service: RunnerService, address: str, max_queue: int = DEFAULT_MAX_QUEUE,
-                 stall_after: float = DEFAULT_STALL_AFTER):
+                 stall_after: float = DEFAULT_STALL_AFTER, max_batch: int = DEFAULT_MAX_BATCH):
         self.service = service
+        self.max_batch = max_batch
         self.stall_after = stall_after
         self._shutting_down = threading.Event()
         self.address = address
         self.max_queue = max_queue
         self.health = health.HealthServicer()
         # Handler threads: one per queued or running stream, plus room for health and memory probes.
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_queue + 16, thread_name_prefix="grpc"),
-                                  options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_queue + 64,
+        streams = max_queue + max_batch
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=streams + 16, thread_name_prefix="grpc"),
+                                  options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=streams + 64,
                                   interceptors=[StatusInterceptor()])
         runner_pb2_grpc.add_RunnerServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -227,7 +233,7 @@ class RunnerServer:
     def attach(self, engine: Engine, on_fatal) -> None:
         """Models are loaded: start the MLX thread and report SERVING."""
         self.service.engine = engine
-        worker = MlxWorker(engine, self.max_queue, on_fatal=on_fatal, name=self.service.name)
+        worker = MlxWorker(engine, self.max_queue, on_fatal=on_fatal, name=self.service.name, max_batch=self.max_batch)
         worker.start()
         self.service.worker = worker
         self._set_health(health_pb2.HealthCheckResponse.SERVING)

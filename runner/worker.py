@@ -1,9 +1,18 @@
-"""The MLX thread: every MLX call of the runner happens here, one generation at a time.
+"""The MLX thread: every MLX call of the runner happens here, for every request at once.
 
-gRPC handler threads submit ``GenerationJob``s (FIFO, bounded) and control
-tasks (``call``). Control tasks run when the thread is idle or between two
-rounds of the generation in flight, so a pool release never races the decode
-loop and never waits for a long generation to finish.
+gRPC handler threads submit ``GenerationJob``s (FIFO; at most ``max_queue``
+wait) and control tasks (``call``). The thread keeps up to ``max_batch``
+requests active, each a ``Session`` (``runner.session``), and loops:
+
+- control tasks (a pool release, Info), at every turn: never behind a long generation;
+- newcomers are admitted while there is room, and their prompts are prefilled
+  one chunk per turn each, between the decode steps of the others;
+- decoding: a request alone keeps its own decoder - speculative decoding with
+  the adaptive depth, or pipelined plain decoding; two or more decode together
+  in a ``Batch`` (``runner.batch``), one batched forward pass per step. A
+  request joins the batch when its prefill is done and leaves it when it ends
+  (or is cancelled, or misses its deadline); when one is left and nobody is
+  waiting, it takes its cache back and goes on alone, speculating again.
 """
 
 from __future__ import annotations
@@ -16,9 +25,11 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from .batch import Batch
 from .engine import Engine, Round
 from .errors import EngineError, QueueFull, WorkerStopped
 from .request import PreparedRequest
+from .session import Session
 
 log = logging.getLogger("runner")
 
@@ -28,6 +39,7 @@ class GenerationJob:
     request: PreparedRequest
     rounds: queue.Queue = field(default_factory=queue.Queue)  # Round, an exception, or None at the end
     cancelled: threading.Event = field(default_factory=threading.Event)
+    session: Session | None = None  # once admitted
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -44,18 +56,21 @@ class GenerationJob:
 
 
 class MlxWorker:
-    def __init__(self, engine: Engine, max_queue: int, on_fatal=None, name: str = "runner"):
+    def __init__(self, engine: Engine, max_queue: int, on_fatal=None, name: str = "runner", max_batch: int = 1):
         self.engine = engine
-        self.name = name
         self.max_queue = max_queue
+        self.max_batch = max(1, max_batch)
+        self.name = name
         self._on_fatal = on_fatal or (lambda error: None)
         self._lock = threading.Condition()
-        self._jobs: collections.deque[GenerationJob] = collections.deque()
+        self._jobs: collections.deque[GenerationJob] = collections.deque()  # waiting, not yet admitted
         self._controls: collections.deque[tuple[callable, Future]] = collections.deque()
-        self._current: GenerationJob | None = None
+        self._active: list[GenerationJob] = []  # admitted: prefilling or decoding
+        self._batch = Batch(engine.target.model, engine.release_memory, engine.settings.release_enabled)
         self._stopping = False
         self.heartbeat = time.monotonic()  # last sign of life of the MLX thread
         self._thread = threading.Thread(target=self._run, name="mlx", daemon=True)
+        self.batched_steps = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -67,8 +82,8 @@ class MlxWorker:
         with self._lock:
             if self._stopping:
                 raise WorkerStopped(f"runner {self.name}: shutting down")
-            waiting = len(self._jobs) - (0 if self._current is not None else 1)  # an idle thread takes one at once
-            if waiting >= self.max_queue:
+            room = self.max_batch - len(self._active)  # an active slot is taken at the next turn
+            if len(self._jobs) - max(0, room) >= self.max_queue:
                 raise QueueFull(f"runner {self.name}: {self.max_queue} requests already waiting")
             self._jobs.append(job)
             self._lock.notify()
@@ -90,42 +105,60 @@ class MlxWorker:
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return bool(self._active)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
 
     def stop(self, cancel_running: bool) -> None:
-        """Take no new work; cancel the waiting jobs (and the running one if asked)."""
+        """Take no new work; cancel the waiting jobs (and the running ones if asked)."""
         with self._lock:
             self._stopping = True
             waiting = list(self._jobs)
             self._jobs.clear()
-            running = self._current
+            running = list(self._active)
             self._lock.notify()
         for job in waiting:
             job.rounds.put(WorkerStopped(f"runner {self.name}: shutting down"))
-        if cancel_running and running is not None:
-            running.cancel()
+            job.rounds.put(None)
+        if cancel_running:
+            for job in running:
+                job.cancel()
 
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def stalled_for(self) -> float:
+        """Seconds since the MLX thread last showed progress (0 while it does)."""
+        return time.monotonic() - self.heartbeat
 
     # -- the MLX thread --------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._jobs or self._controls or self._stopping):
+                while not (self._jobs or self._controls or self._stopping or self._active):
                     self.heartbeat = time.monotonic()
                     self._lock.wait(0.5)
                 self.heartbeat = time.monotonic()
-                if not self._jobs and not self._controls and self._stopping:
+                if self._stopping and not (self._jobs or self._controls or self._active):
                     return
-                job = self._jobs.popleft() if self._jobs and not self._controls else None
-                self._current = job
-            if job is None:
-                self._run_controls()
-            else:
-                self._generate(job)
+                admitted = []
+                while self._jobs and len(self._active) + len(admitted) < self.max_batch:
+                    admitted.append(self._jobs.popleft())
+            self._run_controls()
+            try:
+                for job in admitted:
+                    self._admit(job)
+                self._turn()
+            except BaseException as error:  # noqa: BLE001 - MLX state can no longer be trusted
+                log.error("engine failure: %s: %s", type(error).__name__, error)
+                for job in list(self._active):
+                    self._fail(job, error)
+                self._on_fatal(error)
+                return
 
     def _run_controls(self) -> None:
         while True:
@@ -140,36 +173,96 @@ class MlxWorker:
                 except BaseException as error:  # noqa: BLE001 - handed to the caller
                     future.set_exception(error)
 
-    def stalled_for(self) -> float:
-        """Seconds since the MLX thread last showed progress (0 while it does)."""
-        return time.monotonic() - self.heartbeat
-
-    def _between_rounds(self, job: GenerationJob) -> bool:
-        self.heartbeat = time.monotonic()
-        self._run_controls()
-        return job.cancelled.is_set()
-
-    def _generate(self, job: GenerationJob) -> None:
-        request_id = job.request.request_id or "-"
+    def _admit(self, job: GenerationJob) -> None:
+        if job.cancelled.is_set():
+            job.rounds.put(None)
+            return
+        log.info("request %s: start", job.request.request_id or "-")
         try:
-            if job.cancelled.is_set():
-                return
-            log.info("request %s: start", request_id)
-            last: Round | None = None
-            for last in self.engine.generate(job.request, cancelled=lambda: self._between_rounds(job)):
-                job.rounds.put(last)
-            if last is not None and last.stats is not None:
-                s = last.stats
-                log.info("request %s: %s after %d tokens, %d rounds, acceptance %.2f, %.0f tok/s, releases %s",
-                         request_id, last.finish_reason, s.generated_tokens, s.rounds, s.acceptance_rate,
-                         s.tokens_per_second, s.release_positions)
+            job.session = Session(self.engine, job.request)
         except EngineError as error:
             job.rounds.put(error)
-        except BaseException as error:  # noqa: BLE001 - MLX state can no longer be trusted
-            log.error("request %s: engine failure: %s: %s", request_id, type(error).__name__, error)
-            job.rounds.put(error)
-            self._on_fatal(error)
-        finally:
             job.rounds.put(None)
-            with self._lock:
-                self._current = None
+            return
+        with self._lock:
+            self._active.append(job)
+
+    def _turn(self) -> None:
+        """One unit of work for every active request: a prefill chunk, or a decode step."""
+        for job in [j for j in self._active if j.cancelled.is_set()]:
+            job.session.cancel()
+            self._end(job, None)
+        prefilling = [j for j in self._active if not j.session.prefilled]
+        for job in prefilling:
+            try:
+                job.session.prefill_chunk()
+            except EngineError as error:
+                self._fail(job, error)
+            self.heartbeat = time.monotonic()
+            self._run_controls()
+        decoding = [j for j in self._active if j.session.prefilled and not j.session.done]
+        if not decoding:
+            return
+        waiting = bool(self._jobs) or any(not j.session.prefilled for j in self._active)
+        if len(decoding) == 1 and not waiting:
+            self._solo(decoding[0])
+        else:
+            self._batched(decoding)
+        self.heartbeat = time.monotonic()
+
+    def _solo(self, job: GenerationJob) -> None:
+        session = job.session
+        if session.batched:  # the last of a batch: its own cache back, speculating again
+            self._batch.leave([session], give_back=True)
+        round_ = session.solo_round()
+        self._deliver(job, round_)
+
+    def _batched(self, decoding: list[GenerationJob]) -> None:
+        newcomers = [j for j in decoding if not j.session.batched]
+        for job in newcomers:  # a token its pipelined decoder has queued comes out before it joins
+            step = job.session.decoder.settle()
+            if step is not None:
+                self._deliver(job, job.session.take(step.tokens, 0, 0, step.logits))
+        newcomers = [j for j in newcomers if not j.session.done]
+        if newcomers:
+            self._batch.join([j.session for j in newcomers])
+        if len(self._batch):
+            jobs = {id(j.session): j for j in self._active}
+            for session, round_ in self._batch.step():
+                self._deliver(jobs[id(session)], round_)
+            self.batched_steps += 1
+
+    def _deliver(self, job: GenerationJob, round_: Round) -> None:
+        if job.session.done:
+            self._end(job, round_)
+        else:
+            job.rounds.put(round_)
+
+    def _end(self, job: GenerationJob, last: Round | None) -> None:
+        session = job.session
+        if session.batched:
+            self._batch.leave([session], give_back=session.prepared.cache_prompt)
+        final = session.final_round(last)
+        job.rounds.put(final)
+        job.rounds.put(None)
+        with self._lock:
+            self._active.remove(job)
+        s = final.stats
+        log.info("request %s: %s after %d tokens, %d rounds, acceptance %.2f, %.0f tok/s, releases %s",
+                 job.request.request_id or "-", final.finish_reason, s.generated_tokens, s.rounds,
+                 s.acceptance_rate, s.tokens_per_second, s.release_positions)
+
+    def _fail(self, job: GenerationJob, error: BaseException) -> None:
+        session = job.session
+        if session is not None:
+            if session.batched:
+                try:
+                    self._batch.leave([session], give_back=False)
+                except Exception:  # noqa: BLE001 - the batch goes with the runner
+                    pass
+            session.abandon()
+        job.rounds.put(error)
+        job.rounds.put(None)
+        with self._lock:
+            if job in self._active:
+                self._active.remove(job)

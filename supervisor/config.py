@@ -9,7 +9,12 @@
     [models.default]
     target = "models/default/target"
     draft = "models/default/draft"    # optional
-    num_draft_tokens = 1
+    drafter = "model"                 # "model" (the draft), "ngram" (prompt lookup) or "none"; default: model
+                                      # when a draft is given, else ngram
+    num_draft_tokens = "auto"         # "auto": the depth is chosen round by round; a number pins it
+    max_draft_tokens = 6              # the deepest round "auto" tries
+    ngram_max = 4                     # prompt lookup matches the context's last 4..2 tokens
+    ngram_min = 2
     release_interval = 256
     cache_limit = "default"           # "default", "unbounded" or bytes
     soft_limit = "2GiB"               # ReleaseMemory above this RSS (anonymous)
@@ -18,7 +23,8 @@
     load_at_start = true
     dtype = "auto"                    # "auto", "checkpoint" (as stored, quantized stays quantized) or "float32"
     max_context = 4096                # lower the model's context length (default: the model's own)
-    max_queue = 8                     # requests that may wait behind the running one
+    max_batch = 16                    # requests decoded together (1 = one at a time)
+    max_queue = 512                   # requests that may wait for a place in the batch; the next gets RESOURCE_EXHAUSTED
     stall_after = "30s"               # no progress of the MLX thread this long = hung
     prompt_cache = "1GiB"             # KV caches kept for prefix reuse; 0 = off; default: see supervisor/memory.py
 
@@ -34,9 +40,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.defaults import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_GRACE, DEFAULT_MAX_QUEUE, DEFAULT_NUM_DRAFT_TOKENS,
-                             DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER, DEFAULT_TARGET, DTYPES,
-                             MAX_NUM_DRAFT_TOKENS)
+from runner.defaults import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_GRACE, DEFAULT_MAX_BATCH, DEFAULT_MAX_DRAFT_TOKENS,
+                             DEFAULT_MAX_QUEUE,
+                             DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER,
+                             DEFAULT_TARGET, DTYPES, MAX_NUM_DRAFT_TOKENS, SMOLLM2_DIR)
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_HTTP_LISTEN = "127.0.0.1:8080"
@@ -54,7 +61,11 @@ class ModelConfig:
     name: str
     target: Path
     draft: Path | None = None
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    num_draft_tokens: int | None = None  # None = adaptive
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS
+    drafter: str = ""  # "" = model when a draft is configured, else ngram
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    ngram_min: int = DEFAULT_NGRAM_MIN
     release_interval: int = DEFAULT_RELEASE_INTERVAL
     cache_limit: str | int = "default"
     soft_limit: int = 0  # bytes of anonymous memory; 0 = none
@@ -62,6 +73,7 @@ class ModelConfig:
     keep_alive: float = 0.0  # seconds idle before unloading; 0 = never
     load_at_start: bool = True
     max_queue: int = DEFAULT_MAX_QUEUE
+    max_batch: int = DEFAULT_MAX_BATCH
     release_enabled: bool = True  # debug: False starts the runner with --no-release
     debug_rpcs: bool = False
     stall_after: float = DEFAULT_STALL_AFTER  # the runner reports NOT_SERVING when its MLX thread is stuck this long
@@ -169,9 +181,23 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
     target = _folder(f"{p}target", _take(table, "target", p, str, ""), base)
     draft_value = _take(table, "draft", p, str, "")
     draft = _folder(f"{p}draft", draft_value, base) if draft_value else None
-    k = _take(table, "num_draft_tokens", p, int, DEFAULT_NUM_DRAFT_TOKENS)
-    if not 0 <= k <= MAX_NUM_DRAFT_TOKENS:
-        raise ConfigError(f"{p}num_draft_tokens", f"must lie in [0, {MAX_NUM_DRAFT_TOKENS}]")
+    k = table.pop("num_draft_tokens", "auto")
+    if k == "auto":
+        k = None
+    elif isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_NUM_DRAFT_TOKENS:
+        raise ConfigError(f"{p}num_draft_tokens", f'must be "auto" or a number in [0, {MAX_NUM_DRAFT_TOKENS}]')
+    max_k = _take(table, "max_draft_tokens", p, int, DEFAULT_MAX_DRAFT_TOKENS)
+    if not 1 <= max_k <= MAX_NUM_DRAFT_TOKENS:
+        raise ConfigError(f"{p}max_draft_tokens", f"must lie in [1, {MAX_NUM_DRAFT_TOKENS}]")
+    drafter = _take(table, "drafter", p, str, "")
+    if drafter not in ("", "model", "ngram", "none"):
+        raise ConfigError(f"{p}drafter", f'{drafter!r} is not one of "model", "ngram", "none"')
+    if drafter == "model" and draft is None:
+        raise ConfigError(f"{p}drafter", '"model" needs a draft folder')
+    ngram_max = _take(table, "ngram_max", p, int, DEFAULT_NGRAM_MAX)
+    ngram_min = _take(table, "ngram_min", p, int, DEFAULT_NGRAM_MIN)
+    if not 1 <= ngram_min <= ngram_max:
+        raise ConfigError(f"{p}ngram_min", "must be at least 1 and at most ngram_max")
     interval = _take(table, "release_interval", p, int, DEFAULT_RELEASE_INTERVAL)
     if interval <= 0:
         raise ConfigError(f"{p}release_interval", "must be positive")
@@ -186,6 +212,9 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
     max_queue = _take(table, "max_queue", p, int, DEFAULT_MAX_QUEUE)
     if max_queue < 0:
         raise ConfigError(f"{p}max_queue", "must be >= 0")
+    max_batch = _take(table, "max_batch", p, int, DEFAULT_MAX_BATCH)
+    if max_batch < 1:
+        raise ConfigError(f"{p}max_batch", "must be at least 1")
     dtype = _take(table, "dtype", p, str, DEFAULT_DTYPE)
     if dtype not in DTYPES:
         raise ConfigError(f"{p}dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
@@ -198,8 +227,9 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
         raise ConfigError(f"{p}stall_after", "must be positive")
     model = ModelConfig(
         name=name, target=target, draft=draft, num_draft_tokens=k, release_interval=interval,
+        max_draft_tokens=max_k, drafter=drafter, ngram_max=ngram_max, ngram_min=ngram_min,
         cache_limit=cache_limit, soft_limit=soft, hard_limit=hard, keep_alive=keep_alive,
-        load_at_start=_take(table, "load_at_start", p, bool, True), max_queue=max_queue,
+        load_at_start=_take(table, "load_at_start", p, bool, True), max_queue=max_queue, max_batch=max_batch,
         release_enabled=_take(table, "release_enabled", p, bool, True),
         debug_rpcs=_take(table, "debug_rpcs", p, bool, False),
         stall_after=stall_after, dtype=dtype, max_context=max_context, prompt_cache=prompt_cache,
@@ -284,6 +314,9 @@ def load(path: str | Path) -> SupervisorConfig:
 
 
 def default_config(**overrides) -> SupervisorConfig:
-    """Zero configuration: the embedded default pair, loaded at start."""
-    model = ModelConfig(name="default", target=DEFAULT_TARGET, draft=DEFAULT_DRAFT)
-    return SupervisorConfig(models={"default": model}, **overrides)
+    """Zero configuration: the embedded default pair, loaded at start, and SmolLM2-135M-Instruct
+    when `make real-model` has imported it (loaded on its first request)."""
+    models = {"default": ModelConfig(name="default", target=DEFAULT_TARGET, draft=DEFAULT_DRAFT)}
+    if (SMOLLM2_DIR / "config.json").is_file():
+        models["smollm2"] = ModelConfig(name="smollm2", target=SMOLLM2_DIR, load_at_start=False)
+    return SupervisorConfig(models=models, **overrides)

@@ -391,7 +391,9 @@ def create_app(supervisor) -> FastAPI:
 class HttpServer:
     """uvicorn serving the app on its own thread; the socket is bound up front, so a busy port fails start-up."""
 
-    def __init__(self, app: FastAPI, listen: str, tls_cert=None, tls_key=None, grace: float = 10.0):
+    def __init__(self, app: FastAPI, listen: str, tls_cert=None, tls_key=None, grace: float = 10.0,
+                 threads: int = 256):
+        self.threads = threads
         import uvicorn
 
         host, _, port = listen.rpartition(":")
@@ -419,7 +421,7 @@ class HttpServer:
 
         async def serve():
             # Every streaming answer waits for its chunks on a worker thread: allow as many as gRPC does.
-            anyio.to_thread.current_default_thread_limiter().total_tokens = 256
+            anyio.to_thread.current_default_thread_limiter().total_tokens = self.threads
             await self.server.serve(sockets=[self.socket])
 
         asyncio.run(serve())

@@ -237,9 +237,13 @@ class ManagedRunner:
     def _spawn(self) -> subprocess.Popen:
         m = self.model
         args = [sys.executable, "-m", "runner", "--name", m.name, "--target", str(m.target),
-                "--listen", self.address, "--num-draft-tokens", str(m.num_draft_tokens),
+                "--listen", self.address,
+                "--num-draft-tokens", "auto" if m.num_draft_tokens is None else str(m.num_draft_tokens),
+                "--max-draft-tokens", str(m.max_draft_tokens), "--ngram-max", str(m.ngram_max),
+                "--ngram-min", str(m.ngram_min),
                 "--release-interval", str(m.release_interval), "--cache-limit", str(m.cache_limit),
-                "--max-queue", str(m.max_queue), "--grace", str(self.config.drain_grace),
+                "--max-queue", str(m.max_queue), "--max-batch", str(m.max_batch),
+                "--grace", str(self.config.drain_grace),
                 "--stall-after", str(m.stall_after), "--dtype", m.dtype,
                 "--parent-pid", str(os.getpid())]
         if m.max_context:
@@ -248,6 +252,8 @@ class ManagedRunner:
             args += ["--prompt-cache", str(self.prompt_cache_budget)]
         if m.draft is not None:
             args += ["--draft", str(m.draft)]
+        if m.drafter:
+            args += ["--drafter", m.drafter]
         if not m.release_enabled:
             args.append("--no-release")
         if m.debug_rpcs:

@@ -101,8 +101,11 @@ class Supervisor:
         self.scheduler = Scheduler(config, on_change=self._on_runner_change)
         self.memory = MemoryWatch(self.scheduler.runners, config.memory_period, on_sample=self._on_memory)
         interceptors = ([BearerToken(config.auth_token)] if config.auth_token else []) + [StatusInterceptor()]
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="public"),
-                                  options=CHANNEL_OPTIONS, interceptors=interceptors, maximum_concurrent_rpcs=256)
+        # A handler thread per stream in flight: every model's batch and queue, and room for the rest.
+        streams = min(2048, sum(m.max_batch + m.max_queue for m in config.models.values()))
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=streams + 32, thread_name_prefix="public"),
+                                  options=CHANNEL_OPTIONS, interceptors=interceptors,
+                                  maximum_concurrent_rpcs=streams + 64)
         supervisor_pb2_grpc.add_SupervisorServicer_to_server(SupervisorService(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
@@ -122,7 +125,7 @@ class Supervisor:
             from .http_api import HttpServer, create_app
 
             self.http = HttpServer(create_app(self), config.http_listen, config.tls_cert, config.tls_key,
-                                   grace=config.drain_grace + config.kill_timeout)
+                                   grace=config.drain_grace + config.kill_timeout, threads=streams + 32)
         self._stopped = threading.Event()
 
     def generate(self, request, timeout: float | None) -> Generation:

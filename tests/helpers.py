@@ -58,3 +58,29 @@ def tiny_hybrid_model(folder, seed: int = 0):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEFAULT_TARGET / name, folder / name)
     return folder
+
+
+def tiny_sliding_window_model(folder, seed: int = 0):
+    """A tiny random llama whose even layers attend through a 64-token sliding window (RotatingKVCache):
+    a cache that cannot be rewound once the window is full, so the runner serves it with plain decoding."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from runner.defaults import DEFAULT_TARGET
+
+    config = {
+        "model_type": "llama", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 2048, "tie_word_embeddings": True, "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_TARGET / name, folder / name)
+    return folder

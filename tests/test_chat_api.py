@@ -33,7 +33,7 @@ PROMPT = "The for statement is used to iterate over the elements of a sequence"
 def sup(tmp_path_factory):
     models = (model_toml("smol", target=SMOLLM2_DIR, draft=None)
               + model_toml("pair")
-              + model_toml("busy", max_queue=0))
+              + model_toml("busy", max_queue=0, max_batch=1))
     sup = SupervisorProcess(tmp_path_factory.mktemp("chat"), models, auth_token=TOKEN).wait_ready(180)
     yield sup
     assert sup.stop() == 0

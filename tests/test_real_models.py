@@ -19,7 +19,7 @@ from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from runner.engine import Engine, EngineSettings
 from runner.protocol import runner_pb2
 from runner.request import GenerationRequest
-from tests.helpers import collect, tiny_hybrid_model
+from tests.helpers import collect, tiny_sliding_window_model
 from tests.processes import RunnerProcess, child_environment
 
 SMOLLM2_PARAMETERS = 134_515_008
@@ -124,7 +124,7 @@ def test_runner_serves_smollm2_in_float32_on_the_cpu_and_says_what_it_is(smollm2
     assert target.quantization_bits == 4 and target.quantization_group_size == 32  # the checkpoint's
     assert target.dtype == "float32" and "auto: float32 on the CPU" in info.dtype_reason
     assert target.context_length == 8192 and target.vocab_size == 49152 and target.rewindable
-    assert not info.speculative and info.decoding == "no draft model" and info.num_draft_tokens == 0
+    assert info.speculative and info.drafter == "ngram" and info.adaptive_depth  # no draft model: n-gram lookup
     assert 50 * 2**20 < info.runtime_rss < 400 * 2**20
 
 
@@ -173,28 +173,30 @@ def test_max_context_lowers_the_context(tmp_path):
 # -- a model whose caches cannot be rewound -------------------------------------------------------------
 
 
-def test_hybrid_model_serves_plain_decoding_and_says_so(tmp_path):
-    folder = tiny_hybrid_model(tmp_path / "hybrid")
+def test_a_model_whose_cache_cannot_be_rewound_serves_plain_decoding_and_says_so(tmp_path):
+    folder = tiny_sliding_window_model(tmp_path / "sliding")
     runner = RunnerProcess(tmp_path / "sockets", target=folder, draft=DEFAULT_DRAFT).wait_serving()
     try:
         info = runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
-        assert not info.speculative and "cannot be rewound" in info.decoding and "ArraysCache" in info.decoding
+        assert not info.speculative and "cannot be rewound" in info.decoding and "RotatingKVCache" in info.decoding
         assert info.num_draft_tokens == 0 and not info.target.rewindable and info.draft.rewindable
-        assert "speculative decoding is off" in runner.stderr
+        assert "speculative decoding with the draft model is off" in runner.stderr
         prompt = "The for statement is used to iterate over"
-        chunks = list(runner.client.generate(timeout=60, prompt=prompt, max_tokens=80, ignore_eos=True,
-                                             num_draft_tokens=3))
+        chunks = list(runner.client.generate(timeout=60, prompt=prompt, max_tokens=150, ignore_eos=True))
         tokens = [t for c in chunks for t in c.token_ids]
-        assert chunks[-1].stats.drafted == 0
+        assert chunks[-1].stats.drafted == 0 and chunks[-1].stats.drafter == "none"
+        with pytest.raises(grpc.RpcError) as caught:  # and a request cannot ask for a drafter either
+            list(runner.client.generate(timeout=60, prompt=prompt, max_tokens=5, drafter="ngram"))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be rewound" in caught.value.details()
     finally:
         assert runner.stop() == 0
     from mlx_lm import load
 
     model, tokenizer = load(str(folder))
     model.set_dtype(mx.float32)
-    assert tokens == mlx_lm_greedy(model, tokenizer.encode(prompt), 80)
+    assert tokens == mlx_lm_greedy(model, tokenizer.encode(prompt), 150)  # past the 64-token window
 
 
-def test_default_pair_still_speculates(engine):
-    assert engine.speculative and engine.default_num_draft_tokens == 1
+def test_default_pair_speculates_with_its_draft(engine):
+    assert engine.speculative and engine.default_drafter == "model"
     assert engine.target.path == DEFAULT_TARGET and engine.target.compute_dtype == "float32"

@@ -20,7 +20,7 @@ PROMPT = "The for statement is used to iterate over the elements of a sequence"
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    process = RunnerProcess(tmp_path_factory.mktemp("run") / "sockets", "--max-queue", "2")
+    process = RunnerProcess(tmp_path_factory.mktemp("run") / "sockets", "--max-queue", "2", "--max-batch", "2")
     seen = []
     deadline = time.monotonic() + 60
     # The server listens before the models load. Wait for its socket file, then ask on fresh
@@ -129,18 +129,18 @@ def memory(runner):
     return runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=1.0)
 
 
-def test_second_client_waits_and_overflow_is_resource_exhausted(runner):
+def test_a_full_batch_queues_and_overflow_is_resource_exhausted(runner):
     results = {}
-    first = long_request(runner, results, "first", tokens=1500)
-    assert wait_until(lambda: memory(runner).busy, 10)
-    waiting = [long_request(runner, results, f"queued{i}", tokens=20) for i in range(2)]
+    running = [long_request(runner, results, f"running{i}", tokens=1500) for i in range(2)]  # max_batch 2
+    assert wait_until(lambda: memory(runner).active_requests == 2, 10)
+    waiting = [long_request(runner, results, f"queued{i}", tokens=20) for i in range(2)]  # max_queue 2
     assert wait_until(lambda: memory(runner).queued == 2, 10)
     with pytest.raises(grpc.RpcError) as caught:
         stream(runner, prompt="x", max_tokens=3)
-    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    for thread in (first, *waiting):
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 requests already waiting" in caught.value.details()
+    for thread in (*running, *waiting):
         thread.join(120)
-    assert results["first"][2][-1].stats.generated_tokens == 1500
+    assert all(results[f"running{i}"][2][-1].stats.generated_tokens == 1500 for i in range(2))
     assert all(results[f"queued{i}"][2][-1].stats.generated_tokens == 20 for i in range(2))
 
 

@@ -1,0 +1,310 @@
+"""Decoders: the model-side state of one request, and how it advances by one round.
+
+A ``Decoder`` owns the target's KV cache for one request, what that cache
+holds, and the ``pending`` token: the last token chosen, which the target has
+not seen yet (unless the plain decoder has already fed it, see below). Two
+implementations of ``step``, after Ollama's x/mlxrunner:
+
+- ``PlainDecoder``: one token a round, pipelined as mlx-lm's ``generate_step``
+  is: the forward pass for the token after next is queued (``mx.async_eval``)
+  before the host reads the next token, so the host's work on a token (text,
+  stop strings, the gRPC send) overlaps the device's work on the following one.
+- ``SpeculativeDecoder``: a ``Drafter`` proposes up to k tokens (k from the
+  depth controller, or pinned), the target verifies them in one forward pass,
+  the accepted prefix plus one target token is emitted, and the caches are
+  rewound past the rejected part (``runner.rewind``: trimmed, or restored and
+  fed again for recurrent layers).
+
+Both prefill the prompt (from wherever a prompt-cache hit left the caches) in
+chunks a ``PrefillPlanner`` sizes, and report the state they end in for the
+prompt cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from .depth import DepthController, FixedDepth
+from .drafters import ModelDrafter, Proposal
+from .prefill import PrefillPlanner
+from .rewind import Rewinder
+from .sampling import SamplingParams, filtered_probs, point_mass, sample, verify_greedy, verify_sampled
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # what the round chose, in order (the caller may emit fewer: stop conditions)
+    drafted: int = 0
+    accepted: int = 0
+    logits: mx.array | None = None  # row i chose tokens[i] (the target's raw logits)
+
+
+@dataclass
+class DecoderStats:
+    depths: collections.Counter = field(default_factory=collections.Counter)  # drafted per round -> rounds
+
+
+class Decoder:
+    def __init__(self, model, prompt_ids: list[int], params: SamplingParams, key, cache=None, held: int = 0):
+        self.model = model
+        self.params = params
+        self.key = key
+        self.prompt_ids = prompt_ids
+        self.tokens = list(prompt_ids)  # the prompt, then every token a round chose
+        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.held = held  # tokens the target's cache holds
+        self.pending = prompt_ids[-1]
+        self.stats = DecoderStats()
+
+    # -- prefill --------------------------------------------------------------------------------------
+
+    def _prefill_models(self):
+        """(model, cache, held, advance) for every model that reads the prompt."""
+        yield self.model, self.cache, self.held, self._advance_target
+
+    def _advance_target(self, held: int) -> None:
+        self.held = held
+
+    def prefill_step(self, planner: PrefillPlanner, sizes: list | None = None) -> bool:
+        """Run one planned chunk of the prompt (all but its last token) through the models, each from
+        where its cache already is; True once the whole prompt is in."""
+        context = self.prompt_ids[:-1]
+        offset = min(held for _, _, held, _ in self._prefill_models())
+        if offset >= len(context):
+            return True
+        size = planner.next_chunk(offset, len(context) - offset)
+        started = time.perf_counter()
+        for model, cache, held, advance in list(self._prefill_models()):
+            if held < offset + size:
+                model(mx.array(context[max(held, offset) : offset + size])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+                advance(offset + size)
+        mx.clear_cache()
+        planner.record(offset, size, time.perf_counter() - started)
+        if sizes is not None:
+            sizes.append(size)
+        return offset + size >= len(context)
+
+    def prefill(self, planner: PrefillPlanner, between=lambda: False, sizes: list | None = None) -> bool:
+        """The whole prompt, chunk by chunk. ``between()`` runs after every chunk (the caller's sign of
+        progress); when it returns True the prefill stops there and this returns False."""
+        while not self.prefill_step(planner, sizes):
+            if between():
+                return False
+        return not between()
+
+    # -- rounds ---------------------------------------------------------------------------------------
+
+    def _keys(self, n: int):
+        self.key, *keys = mx.random.split(self.key, n + 1)
+        return keys
+
+    def choose(self, logits: mx.array, key) -> mx.array:
+        if self.params.greedy:
+            return mx.argmax(logits, axis=-1)
+        return sample(filtered_probs(logits, self.params), key)
+
+    def step(self, budget: int) -> Step:
+        """One round: never more than ``budget`` tokens."""
+        raise NotImplementedError
+
+    def cached_state(self) -> tuple[list[int], list]:
+        """What the caches hold, for the prompt cache (the request is over)."""
+        return self.tokens[: self.held], [self.cache]
+
+    def close(self) -> None:
+        self.cache = None
+
+    # -- batching (runner.batch) ----------------------------------------------------------------------
+
+    def settle(self) -> Step | None:
+        """Read a token a pipelined round has queued, so the cache holds exactly all but ``pending``."""
+        return None
+
+    def hand_over(self) -> list:
+        """The target's cache, to be merged into a batch (after ``settle``)."""
+        cache, self.cache = self.cache, None
+        return cache
+
+    def take_back(self, cache: list) -> None:
+        """Its own cache again, extracted from a batch: it holds every token but ``pending``."""
+        self.cache = cache
+        self.held = len(self.tokens) - 1
+
+    def fed_by_batch(self, tokens: list[int]) -> None:
+        """A batched step fed ``pending`` and chose ``tokens``."""
+        self.tokens += tokens
+        self.pending = tokens[-1]
+        self.held = len(self.tokens) - 1
+
+
+class PlainDecoder(Decoder):
+    """One token a round, the next forward pass queued before the host reads this one."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._next: tuple[mx.array, mx.array] | None = None  # (token, logits) being computed
+
+    def _issue(self, token) -> tuple[mx.array, mx.array]:
+        """Queue the forward pass of ``token`` (an int or a lazy array) and the choice after it."""
+        (key,) = self._keys(1)
+        inputs = mx.array([token], dtype=mx.uint32) if isinstance(token, int) else token.reshape(1)
+        logits = self.model(inputs[None], cache=self.cache)[0, -1]
+        chosen = self.choose(logits, key)
+        mx.async_eval(chosen)
+        return chosen, logits
+
+    def settle(self) -> Step | None:
+        if self._next is None:
+            return None
+        token, logits = self._next
+        self._next = None
+        chosen = token.item()
+        self.tokens.append(chosen)
+        self.pending = chosen
+        self.held = len(self.tokens) - 1
+        self.stats.depths[0] += 1
+        return Step([chosen], 0, 0, logits[None])
+
+    def step(self, budget: int) -> Step:
+        if self._next is None:
+            self._next = self._issue(self.pending)
+        token, logits = self._next
+        self._next = self._issue(token) if budget > 1 else None  # depends on the device's token, not the host's
+        chosen = token.item()
+        self.tokens.append(chosen)
+        self.pending = chosen
+        self.held = len(self.tokens) - (0 if self._next is not None else 1)
+        self.stats.depths[0] += 1
+        return Step([chosen], 0, 0, logits[None])
+
+
+class SpeculativeDecoder(Decoder):
+    """Draft, verify in one forward pass, keep the accepted prefix plus one target token, rewind.
+
+    A round with nothing to verify (depth 0, or no proposal) is a plain round,
+    pipelined like ``PlainDecoder``'s: it queues the forward pass of its token
+    and the choice after it (``ahead``), and the next round starts by reading
+    that token - then drafts on top of it, or queues the next one.
+    """
+
+    def __init__(self, model, prompt_ids, params, key, drafter, depth: DepthController | FixedDepth,
+                 cache=None, held: int = 0):
+        super().__init__(model, prompt_ids, params, key, cache, held)
+        self.drafter = drafter
+        self.depth = depth
+        self.rewinder = Rewinder(model, self.cache)
+        self._last_end: float | None = None
+        self._ahead: tuple[mx.array, mx.array] | None = None  # (token, logits) queued by a plain round
+
+    def _prefill_models(self):
+        yield from super()._prefill_models()
+        if isinstance(self.drafter, ModelDrafter):
+            drafter = self.drafter
+
+            def advance(held: int) -> None:
+                drafter.held = held
+
+            yield drafter.model, drafter.cache, drafter.held, advance
+
+    def _issue(self) -> tuple[mx.array, mx.array]:
+        """Queue the forward pass of ``pending`` and the choice after it (the cache then holds pending)."""
+        (key,) = self._keys(1)
+        logits = self.model(mx.array([[self.pending]], dtype=mx.uint32), cache=self.cache)[0, -1]
+        chosen = self.choose(logits, key)
+        mx.async_eval(chosen)
+        self.held = len(self.tokens)
+        return chosen, logits
+
+    def _take(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.pending = tokens[-1]
+        self.held = len(self.tokens) - 1
+        self.drafter.extend(tokens)
+
+    def settle(self) -> Step | None:
+        if self._ahead is None:
+            return None
+        token, logits = self._ahead
+        self._ahead = None
+        tokens = [token.item()]
+        self._take(tokens)
+        self.stats.depths[0] += 1
+        return Step(tokens, 0, 0, logits[None])
+
+    def take_back(self, cache: list) -> None:
+        super().take_back(cache)
+        self.rewinder = Rewinder(self.model, self.cache)
+
+    def fed_by_batch(self, tokens: list[int]) -> None:
+        self._take(tokens)
+
+    def step(self, budget: int) -> Step:
+        started = self._last_end if self._last_end is not None else time.perf_counter()
+        head, rows = [], []
+        if self._ahead is not None:  # the token a plain round queued
+            token, logits = self._ahead
+            self._ahead = None
+            head, rows = [token.item()], [logits[None]]
+            self._take(head)
+            budget -= 1
+        step = self._round(budget, head, rows) if budget > 0 else Step(head, 0, 0, rows[0])
+        self._last_end = time.perf_counter()
+        self.depth.record(step.drafted, step.accepted, self._last_end - started)
+        self.stats.depths[step.drafted] += 1
+        return step
+
+    def _round(self, budget: int, head: list[int], rows: list) -> Step:
+        draft_key, verify_key = self._keys(2)
+        k = min(self.depth.choose(), budget - 1)
+        proposal = self.drafter.propose(self.tokens, k, self.params, draft_key) if k > 0 else None
+        if proposal is not None and proposal.size > k:
+            proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])
+        if proposal is None:
+            if not head:  # start the pipeline: this round's token, then queue the next one
+                token, logits = self._issue()
+                head, rows = [token.item()], [logits[None]]
+                self._take(head)
+                budget -= 1
+            if budget > 0:
+                self._ahead = self._issue()
+            return Step(head, 0, 0, mx.concatenate(rows))
+        drafted = proposal.size
+        fed = [self.pending]
+        self.rewinder.snapshot()
+        logits = self.model(mx.concatenate([mx.array(fed, dtype=mx.uint32), proposal.tokens])[None],
+                            cache=self.cache)[0]
+        if self.params.greedy:
+            verdict = verify_greedy(logits, proposal.tokens)
+        else:
+            p = filtered_probs(logits, self.params)
+            q = proposal.probs if proposal.probs is not None else point_mass(proposal.tokens, p.shape[-1])
+            verdict = verify_sampled(p, q, proposal.tokens, verify_key)
+        mx.eval(verdict.accepted, verdict.next_token)
+        accepted = verdict.accepted.item()
+        drafts = proposal.tokens.tolist()
+        tokens = drafts[:accepted] + [verdict.next_token.item()]
+        # The target saw pending + every draft; it keeps pending + the accepted drafts.
+        self.rewinder.rewind(fed + drafts, 1 + accepted)
+        self.drafter.accepted(proposal, accepted)
+        self._take(tokens)
+        return Step(head + tokens, drafted, accepted, mx.concatenate(rows + [logits]))
+
+    def cached_state(self) -> tuple[list[int], list]:
+        held = self.held
+        caches = [self.cache]
+        if isinstance(self.drafter, ModelDrafter):
+            drafter = self.drafter
+            if drafter.held == held:
+                caches.append(drafter.cache)
+            elif held - drafter.held == 1 and self.rewinder.trimmable:  # its last draft: keep what both hold
+                trim_prompt_cache(self.cache, 1)
+                held = drafter.held
+                caches.append(drafter.cache)
+            # else (plain or batched rounds it never saw): the target alone; a later draft prefills again
+        return self.tokens[:held], caches

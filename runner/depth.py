@@ -1,0 +1,94 @@
+"""The draft depth: how many tokens to draft in the next round, learned as the runner goes.
+
+Per runner and drafter, the ``DepthController`` keeps moving averages of
+- the acceptance at each draft position: a_i, the chance that draft i is kept
+  when every draft before it was;
+- the wall time of a round at each depth k (draft, verify, rewind and the host's
+  work on what it emitted).
+
+A round of depth k emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens on
+average, so it picks the k with the most expected tokens per second,
+E(k) / T(k), among the depths it has timed - k = 0 (plain decoding) when no
+drafting pays. Every ``probe_every`` rounds it tries a neighbour of the best
+depth (one deeper, then one shallower, in turn), so a depth that starts to pay
+is found and one that stops paying is left. Greedy output does not depend on
+the depth; a seeded sampling request pins k instead, so that its samples do
+not depend on timing.
+"""
+
+from __future__ import annotations
+
+import collections
+
+DEFAULT_MAX_DEPTH = 6
+SMOOTHING = 0.2  # weight of the newest round in the moving averages
+PRIOR_ACCEPTANCE = 0.5
+PROBE_EVERY = 10
+
+
+class DepthController:
+    def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH, start: int = 1, probe_every: int = PROBE_EVERY,
+                 smoothing: float = SMOOTHING):
+        self.max_depth = max_depth
+        self.start = min(start, max_depth)
+        self.probe_every = probe_every
+        self.smoothing = smoothing
+        self.acceptance = [PRIOR_ACCEPTANCE] * max_depth  # a_1..a_max (index 0 is a_1)
+        self.seconds: dict[int, float] = {}  # depth -> moving average of a round's seconds
+        self.rounds = 0
+        self._probe_up = True
+        self.histogram: collections.Counter[int] = collections.Counter()
+
+    def expected_tokens(self, depth: int) -> float:
+        total, kept = 1.0, 1.0
+        for i in range(depth):
+            kept *= self.acceptance[i]
+            total += kept
+        return total
+
+    def rate(self, depth: int) -> float:
+        """Expected tokens per second at ``depth`` (0 when it was never timed)."""
+        seconds = self.seconds.get(depth)
+        return self.expected_tokens(depth) / seconds if seconds else 0.0
+
+    def best(self) -> int:
+        if not self.seconds:
+            return self.start
+        return max(self.seconds, key=self.rate)
+
+    def choose(self) -> int:
+        """The depth for the next round."""
+        self.rounds += 1
+        best = self.best()
+        if len(self.seconds) < 2 and self.rounds > 1:
+            # Time plain decoding and the starting depth before trusting either.
+            return 0 if 0 not in self.seconds else self.start
+        if self.rounds % self.probe_every == 0:
+            self._probe_up = not self._probe_up
+            up, down = min(best + 1, self.max_depth), max(best - 1, 0)
+            return up if (self._probe_up and up != best) or down == best else down
+        return best
+
+    def record(self, drafted: int, accepted: int, seconds: float) -> None:
+        """A round drafted ``drafted`` tokens (its depth), kept ``accepted`` and took ``seconds``."""
+        self.histogram[drafted] += 1
+        w = self.smoothing
+        for i in range(min(drafted, accepted + 1)):  # positions the verification reached
+            kept = 1.0 if i < accepted else 0.0
+            self.acceptance[i] += w * (kept - self.acceptance[i])
+        previous = self.seconds.get(drafted)
+        self.seconds[drafted] = seconds if previous is None else previous + w * (seconds - previous)
+
+
+class FixedDepth:
+    """A depth the request (or the model's config) pins."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.histogram: collections.Counter[int] = collections.Counter()
+
+    def choose(self) -> int:
+        return self.depth
+
+    def record(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.histogram[drafted] += 1

@@ -1,0 +1,153 @@
+"""Drafters: what proposes the tokens a speculative round asks the target to verify.
+
+One small interface (``Drafter``): ``propose`` up to k tokens that would follow
+the context; be told, through ``accepted``, how many the target kept. Two kinds:
+
+- ``ModelDrafter``: a small draft model with the target's vocabulary, run
+  autoregressively on its own KV cache (which it rewinds past rejected drafts);
+  when sampling, its distributions ``q`` go to speculative sampling.
+- ``NgramDrafter``: prompt lookup. The most recent earlier occurrence of the
+  context's last n tokens (n from ``n_max`` down to ``n_min``), in the prompt
+  plus everything generated so far, and what followed it. It needs no model and
+  works for every target; it pays where the output copies from the input (edits
+  of given code, extraction, lists repeated with changes). Its proposal is a
+  point mass: with sampling, a drafted token is kept with probability p(token),
+  else a token is drawn from p with that token removed and renormalised - still
+  exactly the target's distribution (``runner.sampling.point_mass``).
+
+Both are told every token the round emits (``extend``) so their view of the
+context stays the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from .defaults import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+from .rewind import Rewinder
+from .sampling import SamplingParams, filtered_probs, sample
+
+DRAFTERS = ("model", "ngram", "none")
+
+
+@dataclass
+class Proposal:
+    tokens: mx.array  # (k,) uint32, possibly lazy
+    probs: mx.array | None  # (k, vocab) draft distributions when sampling with a model; None = point masses
+
+    @property
+    def size(self) -> int:
+        return self.tokens.size
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, key) -> Proposal | None:
+        """Up to ``k`` tokens to follow ``context`` (the prompt and every token chosen so far; its last
+        token, the pending one, is in no cache yet)."""
+
+    def accepted(self, proposal: Proposal, accepted: int) -> None:
+        """The target kept the first ``accepted`` tokens of ``proposal``."""
+
+    def extend(self, tokens: list[int]) -> None:
+        """The context grew by ``tokens``."""
+
+
+class ModelDrafter:
+    """A draft model on its own KV cache.
+
+    Its cache holds the first ``held`` tokens of the context. A proposal first
+    feeds what it has not seen (the pending token, the last draft of a round
+    that kept them all, the tokens of plain rounds), then drafts k tokens, one
+    forward pass each; ``accepted`` takes its cache back past the rejected ones.
+    """
+
+    name = "model"
+
+    def __init__(self, model, cache=None, held: int = 0):
+        self.model = model
+        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.held = held  # context tokens its cache holds
+        self.rewinder = Rewinder(self.model, self.cache)
+        self._fed: list[int] = []
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, key) -> Proposal | None:
+        if k <= 0:
+            return None
+        inputs = context[self.held :]
+        self.rewinder.snapshot()
+        self._fed = list(inputs)
+        tokens, probs = [], []
+        step_input = mx.array(inputs)
+        for step_key in mx.random.split(key, k):
+            logits = self.model(step_input[None], cache=self.cache)[0, -1]
+            if params.greedy:
+                token = mx.argmax(logits, axis=-1)
+            else:
+                q = filtered_probs(logits, params)
+                token = sample(q, step_key)
+                probs.append(q)
+            mx.async_eval(token)
+            tokens.append(token)
+            step_input = token[None]
+        return Proposal(mx.stack(tokens).astype(mx.uint32), mx.stack(probs) if probs else None)
+
+    def accepted(self, proposal: Proposal, accepted: int) -> None:
+        k = proposal.size
+        drafts = proposal.tokens.tolist()
+        # It ran inputs + drafts[:-1]; it keeps inputs + drafts[:accepted] (all it ran when every draft was kept:
+        # the last draft then waits, unseen, at the end of the context like any new token).
+        kept = len(self._fed) + min(accepted, k - 1)
+        self.rewinder.rewind(self._fed + drafts[:-1], kept)
+        self.held += kept
+
+    def extend(self, tokens: list[int]) -> None:
+        pass  # it catches up from the context when it next proposes
+
+
+class NgramDrafter:
+    """Prompt lookup over the context (prompt plus generated tokens)."""
+
+    name = "ngram"
+
+    def __init__(self, context: list[int], n_max: int = DEFAULT_NGRAM_MAX, n_min: int = DEFAULT_NGRAM_MIN):
+        self.n_max = n_max
+        self.n_min = n_min
+        self.context: list[int] = []
+        # n-gram -> position of the token that followed its latest occurrence
+        self.followers: dict[tuple[int, ...], int] = {}
+        self.extend(context)
+
+    def extend(self, tokens: list[int]) -> None:
+        context, followers = self.context, self.followers
+        for token in tokens:
+            position = len(context)
+            for n in range(self.n_min, self.n_max + 1):
+                if position >= n:
+                    followers[tuple(context[position - n : position])] = position
+            context.append(token)
+
+    def lookup(self, k: int) -> list[int]:
+        context = self.context
+        for n in range(self.n_max, self.n_min - 1, -1):
+            if len(context) < n:
+                continue
+            follower = self.followers.get(tuple(context[-n:]))
+            if follower is not None:
+                return context[follower : follower + k]
+        return []
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, key) -> Proposal | None:
+        # Its own copy of the context (kept by ``extend``) carries the n-gram index.
+        drafts = self.lookup(k) if k > 0 else []
+        if not drafts:
+            return None
+        return Proposal(mx.array(drafts, dtype=mx.uint32), None)
+
+    def accepted(self, proposal: Proposal, accepted: int) -> None:
+        pass

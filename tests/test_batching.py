@@ -1,0 +1,164 @@
+"""Batching: requests decoded together on the MLX thread (runner.worker, runner.batch), in-process.
+
+Measured on the default pair, greedy: every batched request's tokens equal the
+same request decoded alone, whatever joins or leaves around it (the batched
+product sums in the same order on this CPU). The tests hold that; README says
+what could differ elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from runner.engine import CACHE_LIMIT_UNBOUNDED, Engine, EngineSettings
+from runner.request import GenerationRequest
+from runner.worker import MlxWorker
+from tests.helpers import collect
+
+PROMPTS = (
+    "The for statement is used to iterate over the elements of a sequence",
+    "A class definition defines a class object",
+    "Assignment statements are used to (re-)bind names to values",
+    "The import statement",
+    "Exceptions can be raised with the raise statement",
+    "The while statement is used for repeated execution",
+)
+
+
+@pytest.fixture(scope="module")
+def batch_engine():
+    return Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=0))
+
+
+@pytest.fixture(scope="module")
+def worker(batch_engine):
+    worker = MlxWorker(batch_engine, max_queue=64, max_batch=4)
+    worker.start()
+    yield worker
+    worker.stop(cancel_running=True)
+    worker.join(10)
+
+
+def alone(engine, **fields):
+    fields = {"ignore_eos": True, "cache_prompt": False, **fields}
+    tokens, text, last = collect(engine.generate(GenerationRequest(**fields)))
+    return tokens, text, last
+
+
+def submit(worker, engine, **fields):
+    return worker.submit(engine.prepare(GenerationRequest(**{"ignore_eos": True, "cache_prompt": False, **fields})))
+
+
+def results(job):
+    tokens, text, last = [], "", None
+    for last in job.results():
+        tokens += last.token_ids
+        text += last.text
+    return tokens, text, last
+
+
+def test_batched_greedy_requests_equal_each_one_alone(worker, batch_engine):
+    lengths = (200, 60, 150, 90, 120, 40)  # they leave at different steps; the last two wait for room (max_batch 4)
+    expected = [alone(batch_engine, prompt=p, max_tokens=n, drafter="none")[0] for p, n in zip(PROMPTS, lengths)]
+    steps = worker.batched_steps
+    jobs = [submit(worker, batch_engine, prompt=p, max_tokens=n) for p, n in zip(PROMPTS, lengths)]
+    got = [results(job) for job in jobs]
+    assert worker.batched_steps > steps + 100  # they really were decoded together
+    for (tokens, _, last), want, n in zip(got, expected, lengths):
+        assert tokens == want and last.stats.generated_tokens == n and last.finish_reason == "length"
+
+
+def test_stop_strings_and_sampling_stay_per_request(worker, batch_engine):
+    plain, text, _ = alone(batch_engine, prompt=PROMPTS[0], max_tokens=120, drafter="none")
+    stop = text[len(text) // 2 : len(text) // 2 + 10]
+    seeded = dict(prompt=PROMPTS[1], max_tokens=80, temperature=0.9, top_p=0.95, seed=42)
+    sampled_alone = alone(batch_engine, **seeded)[0]
+    jobs = [submit(worker, batch_engine, prompt=PROMPTS[0], max_tokens=120, stop=(stop,)),
+            submit(worker, batch_engine, **seeded),
+            submit(worker, batch_engine, prompt=PROMPTS[2], max_tokens=100)]
+    stopped, sampled, other = (results(job) for job in jobs)
+    assert stopped[2].finish_reason == "stop" and stopped[1] == text[: text.index(stop)]
+    # A seeded request draws one key per token, alone or batched: the same samples.
+    assert sampled[0] == sampled_alone
+    assert other[2].stats.generated_tokens == 100
+
+
+def test_a_request_cancelled_mid_batch_leaves_the_others_unharmed(worker, batch_engine):
+    expected = [alone(batch_engine, prompt=p, max_tokens=150, drafter="none")[0] for p in PROMPTS[:3]]
+    jobs = [submit(worker, batch_engine, prompt=p, max_tokens=150) for p in PROMPTS[:3]]
+    victim = jobs[1]
+    seen = 0
+    for round_ in victim.results():
+        seen += len(round_.token_ids)
+        if seen >= 30:
+            victim.cancel()
+            break
+    got = [results(job) for job in (jobs[0], jobs[2])]
+    assert [g[0] for g in got] == [expected[0], expected[2]]
+    assert worker.active == 0
+
+
+def test_the_last_one_left_goes_on_alone_and_speculates_again(worker, batch_engine):
+    expected = alone(batch_engine, prompt=PROMPTS[0], max_tokens=400, drafter="none")[0]
+    long_job = submit(worker, batch_engine, prompt=PROMPTS[0], max_tokens=400)
+    short = [submit(worker, batch_engine, prompt=p, max_tokens=30) for p in PROMPTS[1:3]]
+    for job in short:
+        results(job)
+    tokens, _, last = results(long_job)
+    assert tokens == expected
+    assert last.stats.depths.get(0, 0) >= 29  # batched steps (plain)
+    assert last.stats.drafted > 0  # and speculative rounds once alone
+
+
+def test_a_newcomer_joins_a_running_solo_request(worker, batch_engine):
+    expected = [alone(batch_engine, prompt=p, max_tokens=300, drafter="none")[0] for p in PROMPTS[:2]]
+    first = submit(worker, batch_engine, prompt=PROMPTS[0], max_tokens=300)
+    for n, _ in enumerate(first.results()):
+        if n == 20:  # it is decoding alone, speculatively
+            break
+    second = submit(worker, batch_engine, prompt=PROMPTS[1], max_tokens=300)
+    rest, _, last = results(first)
+    tokens = expected[0][: len(expected[0]) - len(rest)] + rest  # what the first 21 rounds streamed
+    assert results(second)[0] == expected[1]
+    assert rest == expected[0][len(expected[0]) - len(rest):] and len(tokens) == 300
+    assert last.stats.drafted > 0 and last.stats.depths.get(0, 0) > 0  # alone, batched, alone again
+
+
+def test_the_pool_stays_bounded_over_a_long_batched_generation(restore_cache_limit):
+    """Pool cap raised to the memory limit: without releases at the batch's growth steps, the pool keeps
+    every buffer the batched cache outgrew."""
+    peaks = {}
+    for release in (True, False):
+        engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(
+            prompt_cache_bytes=0, cache_limit=CACHE_LIMIT_UNBOUNDED, release_enabled=release))
+        worker = MlxWorker(engine, max_queue=8, max_batch=4)
+        worker.start()
+        mx.clear_cache()
+        peak, done = 0, threading.Event()
+
+        def watch():
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, mx.get_cache_memory())
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        jobs = [submit(worker, engine, prompt=p, max_tokens=1500) for p in PROMPTS[:4]]
+        outs = [results(job) for job in jobs]
+        done.set()
+        watcher.join()
+        worker.stop(cancel_running=True)
+        worker.join(10)
+        assert all(o[2].stats.generated_tokens == 1500 for o in outs)
+        peaks[release] = peak
+    # The batched KV cache: 4 rows x 1536 positions of the target's 8 layers (the draft does not batch).
+    batch_cache = 4 * 8 * 2 * 2 * 64 * 4 * 1536
+    print(f"pool peak with release {peaks[True] / 2**20:.1f} MB, without {peaks[False] / 2**20:.1f} MB")
+    assert peaks[True] < 3 * batch_cache + 16 * 2**20
+    assert peaks[False] > 2 * peaks[True]

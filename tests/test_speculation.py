@@ -1,0 +1,164 @@
+"""Speculation: both drafters, fixed and adaptive depth, pipelined plain decoding, rewinding recurrent layers.
+
+Greedy output must equal plain greedy in every configuration; sampled output
+must follow the target's distribution whatever drafts it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from runner.decoders import PlainDecoder, SpeculativeDecoder
+from runner.defaults import DEFAULT_DRAFT, SMOLLM2_DIR
+from runner.depth import DepthController, FixedDepth
+from runner.drafters import NgramDrafter
+from runner.engine import Engine, EngineSettings
+from runner.prefill import PrefillPlanner
+from runner.request import GenerationRequest
+from runner.sampling import SamplingParams, point_mass, verify_sampled
+from tests.helpers import collect, tiny_hybrid_model
+from tests.test_engine_sampling import CHI2_CRITICAL_DF5, chi_square
+
+PROSE = "The for statement is used to iterate over the elements of a sequence"
+# Input-grounded: the answer copies from the prompt.
+GROUNDED = ("Repeat this list, in the same order:\n- for statements iterate over sequences\n"
+            "- while statements repeat while a condition holds\n- break leaves the loop\n"
+            "- continue goes on with the next iteration\nThe list again:\n- for statements")
+TOKENS = 300
+
+
+def greedy(engine, prompt, **fields):
+    tokens, _, last = collect(engine.generate(GenerationRequest(prompt=prompt, max_tokens=TOKENS, ignore_eos=True,
+                                                                cache_prompt=False, **fields)))
+    return tokens, last.stats
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    return {prompt: greedy(engine, prompt, drafter="none")[0] for prompt in (PROSE, GROUNDED)}
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
+def test_greedy_with_a_fixed_depth_equals_plain(engine, plain, drafter, k):
+    for prompt, expected in plain.items():
+        tokens, stats = greedy(engine, prompt, drafter=drafter, num_draft_tokens=k)
+        assert tokens == expected
+        assert stats.drafter == drafter and max(stats.depths) <= k
+    assert stats.drafted > 0  # the grounded prompt always gives the n-gram drafter something
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_greedy_with_the_adaptive_depth_equals_plain(engine, plain, drafter):
+    for prompt, expected in plain.items():
+        tokens, stats = greedy(engine, prompt, drafter=drafter)
+        assert tokens == expected
+        assert sum(stats.depths.values()) == stats.rounds and stats.drafted == sum(
+            depth * rounds for depth, rounds in stats.depths.items())
+        assert len(stats.depths) >= 2  # it tried more than one depth
+
+
+def test_pipelined_plain_decoding_equals_round_by_round(engine, plain):
+    """The plain decoder queues each next forward pass; a speculative decoder pinned at k = 0 does not."""
+    ids = engine.tokenizer.encode(PROSE)
+    params = SamplingParams()
+    results = []
+    for decoder in (PlainDecoder(engine.target.model, ids, params, mx.random.key(0)),
+                    SpeculativeDecoder(engine.target.model, ids, params, mx.random.key(0),
+                                       NgramDrafter(ids), FixedDepth(0))):
+        decoder.prefill(PrefillPlanner(heads=6))
+        tokens = []
+        while len(tokens) < TOKENS:
+            tokens += decoder.step(TOKENS - len(tokens)).tokens
+        results.append(tokens)
+    assert results[0] == results[1] == plain[PROSE]
+
+
+def test_ngram_lookup_takes_the_longest_most_recent_match():
+    drafter = NgramDrafter([1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3], n_max=3, n_min=1)
+    assert drafter.lookup(3) == [4, 5, 7]  # "2 3" last followed by 4 (the later of two matches)
+    drafter.extend([8])
+    assert drafter.lookup(2) == []  # 8 never came before
+    drafter.extend([1, 2, 3])
+    assert drafter.lookup(4) == [4, 5, 7, 2]  # "1 2 3" (n = 3) beats shorter matches
+    assert NgramDrafter([5, 6], n_max=4, n_min=2).lookup(3) == []
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_ngram_proposals_keep_the_target_distribution(k):
+    """A point-mass proposal is kept with probability p(token), else replaced from p without it."""
+    vocab, trials = 6, 6000
+    rng = np.random.default_rng(17)
+    p = mx.array(rng.dirichlet(np.ones(vocab), size=k + 1).astype(np.float32))
+    drafts = mx.array([2, 4, 1][:k], dtype=mx.uint32)
+    q = point_mass(drafts, vocab)
+    key = mx.random.key(23)
+    counts = np.zeros(vocab)
+    for _ in range(trials):
+        key, verify_key = mx.random.split(key)
+        verdict = verify_sampled(p, q, drafts, verify_key)
+        accepted = verdict.accepted.item()
+        counts[drafts[0].item() if accepted > 0 else verdict.next_token.item()] += 1
+    assert chi_square(counts, np.array(p[0])) < CHI2_CRITICAL_DF5
+    assert 0 < counts[2] < 0.9 * trials  # not the point mass: the drafted token is kept only as often as p says
+
+
+def test_depth_controller_goes_deep_when_drafts_are_kept_and_plain_when_they_are_not():
+    keeps = DepthController(max_depth=6, probe_every=4)
+    for _ in range(200):
+        k = keeps.choose()
+        keeps.record(k, k, 0.010 + 0.001 * k)  # every draft kept, drafts nearly free
+    assert keeps.best() >= 5
+    never = DepthController(max_depth=6, probe_every=4)
+    for _ in range(200):
+        k = never.choose()
+        never.record(k, 0, 0.010 + 0.004 * k)  # every draft rejected
+    assert never.best() == 0
+    assert never.histogram[1] > 0  # it still probes now and then
+    assert never.histogram[0] > 0.7 * sum(never.histogram.values())
+
+
+def test_sampled_speculation_with_ngram_is_reproducible_with_a_seed(engine):
+    def sample(seed):
+        return collect(engine.generate(GenerationRequest(prompt=GROUNDED, max_tokens=60, temperature=0.8, seed=seed,
+                                                         drafter="ngram", ignore_eos=True, cache_prompt=False)))[0]
+
+    assert sample(5) == sample(5)
+    assert any(sample(s) != sample(5) for s in (6, 7))
+
+
+# -- models whose caches cannot be trimmed ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    folder = tiny_hybrid_model(tmp_path_factory.mktemp("hybrid") / "lfm2")
+    return Engine.load(folder, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=0))
+
+
+@pytest.mark.parametrize("fields", [dict(drafter="model", num_draft_tokens=1), dict(drafter="model", num_draft_tokens=4),
+                                    dict(drafter="model"), dict(drafter="ngram", num_draft_tokens=3)])
+def test_hybrid_model_speculates_by_restoring_its_recurrent_state(hybrid, fields):
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+    assert hybrid.speculative and hybrid.target.rewindable
+    assert not can_trim_prompt_cache(make_prompt_cache(hybrid.target.model))  # ArraysCache layers: restored, not trimmed
+    expected, _ = greedy(hybrid, GROUNDED, drafter="none")
+    tokens, stats = greedy(hybrid, GROUNDED, **fields)
+    assert tokens == expected
+    assert stats.drafted > 0 and stats.accepted < stats.drafted  # rejections happened, and were rewound
+
+
+def test_smollm2_ngram_drafting_on_a_grounded_prompt_equals_plain():
+    engine = Engine.load(SMOLLM2_DIR, None, EngineSettings(prompt_cache_bytes=0))
+    assert engine.default_drafter == "ngram"
+    messages = (("user", GROUNDED.removesuffix("The list again:\n- for statements")
+                 + "Now repeat the list exactly, one item a line."),)
+    run = lambda **f: collect(engine.generate(GenerationRequest(messages=messages, max_tokens=60, cache_prompt=False,
+                                                                **f)))
+    expected, _, _ = run(drafter="none")
+    tokens, _, last = run()
+    assert tokens == expected
+    assert last.stats.accepted >= 5  # the list is copied from the prompt
