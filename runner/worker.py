@@ -203,7 +203,9 @@ class MlxWorker:
         decoding = [j for j in self._active if j.session.prefilled and not j.session.done]
         if not decoding:
             return
-        waiting = bool(self._jobs) or any(not j.session.prefilled for j in self._active)
+        # Company is coming when someone is prefilling, or waiting with room to be admitted.
+        waiting = (bool(self._jobs) and len(self._active) < self.max_batch) or any(
+            not j.session.prefilled for j in self._active)
         if len(decoding) == 1 and not waiting:
             self._solo(decoding[0])
         else:
