@@ -18,6 +18,16 @@ replace the buffers. So the batch releases the pool after every step that
 changed the cache's capacity, and after every join and leave - not every 512
 steps as mlx-lm's ``BatchGenerator`` does, by when the pool holds every old
 buffer since the last release.
+
+Pipelining: as ``PlainDecoder`` does for one request, a step queues the next
+forward pass (fed with the tokens this one chose, still on the device) before
+the host reads this step's tokens, so the host's work for every row (stopping
+criteria, detokenizing, streaming) overlaps the device's next step. The queued
+step is kept across a row leaving (its results are filtered with the cache; a
+leaving row's extracted cache is trimmed of the position the queued step
+added); ``settle`` hands out its tokens before rows join or the last row goes
+on alone, so no row's token - nor the random key it drew - is thrown away.
+Caches that cannot be trimmed (recurrent layers) step without the queue.
 """
 
 from __future__ import annotations
@@ -58,8 +68,8 @@ class BatchRelease:
         self._shape = None
         self._release()
 
-    def after_step(self, cache: list) -> bool:
-        shape = capacity(cache)
+    def after_step(self, shape: tuple) -> bool:
+        """``shape``: the cache's ``capacity`` once the step was built (its forward pass has run since)."""
         grew = self._shape is not None and shape != self._shape
         self._shape = shape
         if grew:
@@ -79,12 +89,22 @@ class Batch:
         self.cache: list | None = None
         self.releases = BatchRelease(release, release_enabled)
         self.steps = 0
+        # The queued step: (chosen tokens, logits, the cache's capacity once it was built), or None.
+        self._ahead: tuple[mx.array, mx.array, tuple] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def queued(self) -> bool:
+        """A step is queued whose tokens no session has taken yet (``settle`` hands them out)."""
+        return self._ahead is not None
+
     def join(self, sessions: list) -> None:
-        """Sessions whose decoders hold a settled cache (prompt in, pending token not yet fed)."""
+        """Sessions whose decoders hold a settled cache (prompt in, pending token not yet fed).
+
+        The batch must be settled first (no queued step: the newcomers have no part in it)."""
+        assert self._ahead is None, "settle the batch before rows join"
         caches = []
         for session in sessions:
             caches.append(session.decoder.hand_over())
@@ -105,6 +125,9 @@ class Batch:
         if give_back:
             for session, index in zip(sessions, indices):
                 own = [layer.extract(index) for layer in self.cache]
+                if self._ahead is not None:  # the queued step fed its pending token: not its to keep
+                    for layer in own:
+                        layer.trim(1)
                 mx.eval([layer.state for layer in own])  # a lazy copy would keep the whole batch's buffers alive
                 session.decoder.take_back(own)
         for session in sessions:
@@ -114,15 +137,19 @@ class Batch:
         if keep:
             for layer in self.cache:
                 layer.filter(keep)
+            if self._ahead is not None:  # the queued step goes on for the rows that stay
+                chosen, logits, _ = self._ahead
+                rows = mx.array(keep)
+                self._ahead = (chosen[rows], logits[rows], capacity(self.cache))
             mx.eval([layer.state for layer in self.cache])
         else:
             self.cache = None
+            self._ahead = None
         self.releases.changed()
 
-    def step(self) -> list:
-        """One batched forward pass: each row's next token, through its session. Returns (session, Round)."""
+    def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array, tuple]:
+        """Build one batched forward pass of ``inputs`` (one token a row) and each row's choice after it."""
         rows = self.rows
-        inputs = mx.array([[s.decoder.pending] for s in rows], dtype=mx.uint32)
         logits = self.model(inputs, cache=self.cache)[:, -1, :]
         greedy = [s.decoder.params.greedy for s in rows]
         if all(greedy):
@@ -137,12 +164,41 @@ class Batch:
                     (key,) = decoder._keys(1)
                     picks.append(sample(filtered_probs(logits[i], decoder.params), key))
             chosen = mx.stack(picks)
+        return chosen, logits, capacity(self.cache)
+
+    def _deliver(self, chosen: mx.array, logits: mx.array) -> list:
         tokens = chosen.tolist()
         self.steps += 1
         rounds = []
-        for i, (session, token) in enumerate(zip(rows, tokens)):
+        for i, (session, token) in enumerate(zip(self.rows, tokens)):
             session.decoder.fed_by_batch([token])
             session.decoder.stats.depths[0] += 1
             rounds.append((session, session.take([token], 0, 0, logits[i : i + 1])))
-        self.releases.after_step(self.cache)
+        return rounds
+
+    def settle(self) -> list:
+        """The queued step's tokens, handed to their rows (as ``step`` does); then nothing is queued."""
+        if self._ahead is None:
+            return []
+        chosen, logits, shape = self._ahead
+        self._ahead = None
+        rounds = self._deliver(chosen, logits)
+        self.releases.after_step(shape)
+        return rounds
+
+    def step(self) -> list:
+        """One batched step: each row's next token, through its session. Returns (session, Round).
+
+        The next step is queued before this one's tokens are read (caches that can be trimmed only)."""
+        if self._ahead is None:
+            inputs = mx.array([[s.decoder.pending] for s in self.rows], dtype=mx.uint32)
+            self._ahead = self._forward(inputs)
+            mx.async_eval(self._ahead[0])
+        chosen, logits, shape = self._ahead
+        self._ahead = None
+        if all(layer.is_trimmable() for layer in self.cache):
+            self._ahead = self._forward(chosen[:, None].astype(mx.uint32))
+            mx.async_eval(self._ahead[0])
+        rounds = self._deliver(chosen, logits)
+        self.releases.after_step(shape)  # this step's forward pass has run: its old buffers are in the pool
         return rounds

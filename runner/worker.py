@@ -215,6 +215,9 @@ class MlxWorker:
     def _solo(self, job: GenerationJob) -> None:
         session = job.session
         if session.batched:  # the last of a batch: its own cache back, speculating again
+            self._settle_batch()
+            if session.done:
+                return
             self._batch.leave([session], give_back=True)
         round_ = session.solo_round()
         self._deliver(job, round_)
@@ -227,12 +230,20 @@ class MlxWorker:
                 self._deliver(job, job.session.take(step.tokens, 0, 0, step.logits))
         newcomers = [j for j in newcomers if not j.session.done]
         if newcomers:
+            self._settle_batch()  # the queued step has no row for them
             self._batch.join([j.session for j in newcomers])
         if len(self._batch):
             jobs = {id(j.session): j for j in self._active}
             for session, round_ in self._batch.step():
                 self._deliver(jobs[id(session)], round_)
             self.batched_steps += 1
+
+    def _settle_batch(self) -> None:
+        """Hand out the tokens of the batch's queued step (some may end their requests)."""
+        if self._batch.queued:
+            jobs = {id(j.session): j for j in self._active}
+            for session, round_ in self._batch.settle():
+                self._deliver(jobs[id(session)], round_)
 
     def _deliver(self, job: GenerationJob, round_: Round) -> None:
         if job.session.done:

@@ -28,6 +28,22 @@ def draft_with_swapped_vocabulary(folder):
     return folder
 
 
+def save_model_folder(model, config: dict, folder):
+    """An mlx-lm folder holding ``model``'s weights and ``config``, with the default pair's tokenizer."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from runner.defaults import DEFAULT_TARGET
+
+    mx.eval(model.parameters())
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_TARGET / name, folder / name)
+    return folder
+
+
 def tiny_hybrid_model(folder, seed: int = 0):
     """A tiny randomly initialised LFM2 (convolution layers with ArraysCache, attention layers with KVCache).
 
@@ -35,10 +51,8 @@ def tiny_hybrid_model(folder, seed: int = 0):
     shares the default pair's tokenizer, so the default draft fits it by vocabulary.
     """
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
+    from mlx.utils import tree_map
     from mlx_lm.models import lfm2
-
-    from runner.defaults import DEFAULT_TARGET
 
     config = {
         "model_type": "lfm2", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 4,
@@ -51,23 +65,14 @@ def tiny_hybrid_model(folder, seed: int = 0):
     model = lfm2.Model(lfm2.ModelArgs.from_dict(config))
     # Larger weights than the default init, so greedy choices are clear-cut rather than near-ties.
     model.update(tree_map(lambda w: w * 4 if w.ndim == 2 else w, model.parameters()))
-    mx.eval(model.parameters())
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_TARGET / name, folder / name)
-    return folder
+    return save_model_folder(model, config, folder)
 
 
 def tiny_sliding_window_model(folder, seed: int = 0):
     """A tiny random llama whose even layers attend through a 64-token sliding window (RotatingKVCache):
     a cache that cannot be rewound once the window is full, so the runner serves it with plain decoding."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.models import llama
-
-    from runner.defaults import DEFAULT_TARGET
 
     config = {
         "model_type": "llama", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
@@ -77,10 +82,4 @@ def tiny_sliding_window_model(folder, seed: int = 0):
     }
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEFAULT_TARGET / name, folder / name)
-    return folder
+    return save_model_folder(model, config, folder)

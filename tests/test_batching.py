@@ -129,6 +129,35 @@ def test_a_newcomer_joins_a_running_solo_request(worker, batch_engine):
     assert last.stats.drafted > 0 and last.stats.depths.get(0, 0) > 0  # alone, batched, alone again
 
 
+def test_a_request_ended_in_a_batch_feeds_the_prompt_cache_exactly():
+    """It leaves while the others' next step is already queued (that step fed its last token too): its
+    prompt-cache entry holds exactly its own tokens, and the next turn continues from it as from a cold prefill."""
+    engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=64 * 2**20))
+    worker = MlxWorker(engine, max_queue=8, max_batch=4)
+    worker.start()
+    try:
+        prompt = engine.tokenizer.encode(PROMPTS[0])
+        jobs = [worker.submit(engine.prepare(GenerationRequest(prompt_ids=tuple(prompt), max_tokens=40,
+                                                                ignore_eos=True)))]
+        jobs += [submit(worker, engine, prompt=p, max_tokens=120) for p in PROMPTS[1:3]]
+        first, _, last = results(jobs[0])
+        for job in jobs[1:]:
+            results(job)
+        assert last.stats.depths.get(0, 0) >= 30  # it decoded in the batch
+        (entry,) = [e for e in engine.prompt_cache._entries.values() if e.tokens[: len(prompt)] == prompt]
+        assert entry.tokens == prompt + first[:-1]  # all but the last token, which no forward pass has fed
+        assert all(layer.offset == len(entry.tokens) for layer in entry.caches[0])
+        follow_up = tuple(prompt + first + engine.tokenizer.encode(" The else clause"))
+        warm = collect(engine.generate(GenerationRequest(prompt_ids=follow_up, max_tokens=60, ignore_eos=True,
+                                                         drafter="none")))
+        assert warm[2].stats.cached_tokens >= len(prompt) + len(first) - 1
+        cold = alone(engine, prompt_ids=follow_up, max_tokens=60, drafter="none")
+        assert cold[2].stats.cached_tokens == 0 and warm[0] == cold[0]
+    finally:
+        worker.stop(cancel_running=True)
+        worker.join(10)
+
+
 def test_the_pool_stays_bounded_over_a_long_batched_generation(restore_cache_limit):
     """Pool cap raised to the memory limit: without releases at the batch's growth steps, the pool keeps
     every buffer the batched cache outgrew (four rows of 1200 tokens: four growths of 256 positions)."""
