@@ -143,7 +143,7 @@ def test_a_request_ended_in_a_batch_feeds_the_prompt_cache_exactly():
         first, _, last = results(jobs[0])
         for job in jobs[1:]:
             results(job)
-        assert last.stats.depths.get(0, 0) >= 30  # it decoded in the batch
+        assert last.stats.depths.get(0, 0) >= 20  # it decoded in the batch
         (entry,) = [e for e in engine.prompt_cache._entries.values() if e.tokens[: len(prompt)] == prompt]
         assert entry.tokens == prompt + first[:-1]  # all but the last token, which no forward pass has fed
         assert all(layer.offset == len(entry.tokens) for layer in entry.caches[0])
