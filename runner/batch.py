@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .sampling import filtered_probs, sample
-
 
 def merge(caches: list[list]) -> list:
     """One batched cache per layer from the sessions' own caches (mlx-lm's ``merge`` of each cache class)."""
@@ -95,11 +93,6 @@ class Batch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    @property
-    def queued(self) -> bool:
-        """A step is queued whose tokens no session has taken yet (``settle`` hands them out)."""
-        return self._ahead is not None
-
     def join(self, sessions: list) -> None:
         """Sessions whose decoders hold a settled cache (prompt in, pending token not yet fed).
 
@@ -151,19 +144,12 @@ class Batch:
         """Build one batched forward pass of ``inputs`` (one token a row) and each row's choice after it."""
         rows = self.rows
         logits = self.model(inputs, cache=self.cache)[:, -1, :]
-        greedy = [s.decoder.params.greedy for s in rows]
-        if all(greedy):
+        if all(s.decoder.params.greedy for s in rows):
             chosen = mx.argmax(logits, axis=-1)
-        else:
-            picks = []
-            for i, session in enumerate(rows):
-                decoder = session.decoder
-                if greedy[i]:
-                    picks.append(mx.argmax(logits[i], axis=-1))
-                else:
-                    (key,) = decoder._keys(1)
-                    picks.append(sample(filtered_probs(logits[i], decoder.params), key))
-            chosen = mx.stack(picks)
+        else:  # each row by its own rule; a sampling row draws its next key, as alone
+            decoders = [s.decoder for s in rows]
+            chosen = mx.stack([d.choose(logits[i], None if d.params.greedy else d._keys(1)[0])
+                               for i, d in enumerate(decoders)])
         return chosen, logits, capacity(self.cache)
 
     def _deliver(self, chosen: mx.array, logits: mx.array) -> list:

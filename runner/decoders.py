@@ -60,6 +60,7 @@ class Decoder:
         self.held = held  # tokens the target's cache holds
         self.pending = prompt_ids[-1]
         self.stats = DecoderStats()
+        self._queued: tuple[mx.array, mx.array] | None = None  # (token, logits) a pipelined round queued
 
     # -- prefill --------------------------------------------------------------------------------------
 
@@ -109,6 +110,22 @@ class Decoder:
             return mx.argmax(logits, axis=-1)
         return sample(filtered_probs(logits, self.params), key)
 
+    def _queue(self, token) -> tuple[mx.array, mx.array]:
+        """Queue the forward pass of ``token`` (an int, or a lazy array still on the device) and the
+        choice after it: (chosen, logits), evaluated asynchronously."""
+        (key,) = self._keys(1)
+        inputs = mx.array([token], dtype=mx.uint32) if isinstance(token, int) else token.reshape(1)
+        logits = self.model(inputs[None], cache=self.cache)[0, -1]
+        chosen = self.choose(logits, key)
+        mx.async_eval(chosen)
+        return chosen, logits
+
+    def _take(self, tokens: list[int]) -> None:
+        """``pending`` was fed and a round chose ``tokens``: the last one is pending now."""
+        self.tokens += tokens
+        self.pending = tokens[-1]
+        self.held = len(self.tokens) - 1
+
     def step(self, budget: int) -> Step:
         """One round: never more than ``budget`` tokens."""
         raise NotImplementedError
@@ -124,7 +141,14 @@ class Decoder:
 
     def settle(self) -> Step | None:
         """Read a token a pipelined round has queued, so the cache holds exactly all but ``pending``."""
-        return None
+        if self._queued is None:
+            return None
+        token, logits = self._queued
+        self._queued = None
+        tokens = [token.item()]
+        self._take(tokens)
+        self.stats.depths[0] += 1
+        return Step(tokens, 0, 0, logits[None])
 
     def hand_over(self) -> list:
         """The target's cache, to be merged into a batch (after ``settle``)."""
@@ -138,50 +162,23 @@ class Decoder:
 
     def fed_by_batch(self, tokens: list[int]) -> None:
         """A batched step fed ``pending`` and chose ``tokens``."""
-        self.tokens += tokens
-        self.pending = tokens[-1]
-        self.held = len(self.tokens) - 1
+        self._take(tokens)
 
 
 class PlainDecoder(Decoder):
     """One token a round, the next forward pass queued before the host reads this one."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._next: tuple[mx.array, mx.array] | None = None  # (token, logits) being computed
-
-    def _issue(self, token) -> tuple[mx.array, mx.array]:
-        """Queue the forward pass of ``token`` (an int or a lazy array) and the choice after it."""
-        (key,) = self._keys(1)
-        inputs = mx.array([token], dtype=mx.uint32) if isinstance(token, int) else token.reshape(1)
-        logits = self.model(inputs[None], cache=self.cache)[0, -1]
-        chosen = self.choose(logits, key)
-        mx.async_eval(chosen)
-        return chosen, logits
-
-    def settle(self) -> Step | None:
-        if self._next is None:
-            return None
-        token, logits = self._next
-        self._next = None
-        chosen = token.item()
-        self.tokens.append(chosen)
-        self.pending = chosen
-        self.held = len(self.tokens) - 1
-        self.stats.depths[0] += 1
-        return Step([chosen], 0, 0, logits[None])
-
     def step(self, budget: int) -> Step:
-        if self._next is None:
-            self._next = self._issue(self.pending)
-        token, logits = self._next
-        self._next = self._issue(token) if budget > 1 else None  # depends on the device's token, not the host's
-        chosen = token.item()
-        self.tokens.append(chosen)
-        self.pending = chosen
-        self.held = len(self.tokens) - (0 if self._next is not None else 1)
+        if self._queued is None:
+            self._queued = self._queue(self.pending)
+        token, logits = self._queued
+        self._queued = self._queue(token) if budget > 1 else None  # depends on the device's token, not the host's
+        tokens = [token.item()]
+        self._take(tokens)
+        if self._queued is not None:  # the queued pass has fed it already
+            self.held = len(self.tokens)
         self.stats.depths[0] += 1
-        return Step([chosen], 0, 0, logits[None])
+        return Step(tokens, 0, 0, logits[None])
 
 
 class SpeculativeDecoder(Decoder):
@@ -189,7 +186,7 @@ class SpeculativeDecoder(Decoder):
 
     A round with nothing to verify (depth 0, or no proposal) is a plain round,
     pipelined like ``PlainDecoder``'s: it queues the forward pass of its token
-    and the choice after it (``ahead``), and the next round starts by reading
+    and the choice after it (``_queued``), and the next round starts by reading
     that token - then drafts on top of it, or queues the next one.
     """
 
@@ -200,7 +197,6 @@ class SpeculativeDecoder(Decoder):
         self.depth = depth
         self.rewinder = Rewinder(model, self.cache)
         self._last_end: float | None = None
-        self._ahead: tuple[mx.array, mx.array] | None = None  # (token, logits) queued by a plain round
 
     def _prefill_models(self):
         yield from super()._prefill_models()
@@ -214,42 +210,24 @@ class SpeculativeDecoder(Decoder):
 
     def _issue(self) -> tuple[mx.array, mx.array]:
         """Queue the forward pass of ``pending`` and the choice after it (the cache then holds pending)."""
-        (key,) = self._keys(1)
-        logits = self.model(mx.array([[self.pending]], dtype=mx.uint32), cache=self.cache)[0, -1]
-        chosen = self.choose(logits, key)
-        mx.async_eval(chosen)
+        queued = self._queue(self.pending)
         self.held = len(self.tokens)
-        return chosen, logits
+        return queued
 
     def _take(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-        self.pending = tokens[-1]
-        self.held = len(self.tokens) - 1
+        super()._take(tokens)
         self.drafter.extend(tokens)
-
-    def settle(self) -> Step | None:
-        if self._ahead is None:
-            return None
-        token, logits = self._ahead
-        self._ahead = None
-        tokens = [token.item()]
-        self._take(tokens)
-        self.stats.depths[0] += 1
-        return Step(tokens, 0, 0, logits[None])
 
     def take_back(self, cache: list) -> None:
         super().take_back(cache)
         self.rewinder = Rewinder(self.model, self.cache)
 
-    def fed_by_batch(self, tokens: list[int]) -> None:
-        self._take(tokens)
-
     def step(self, budget: int) -> Step:
         started = self._last_end if self._last_end is not None else time.perf_counter()
         head, rows = [], []
-        if self._ahead is not None:  # the token a plain round queued
-            token, logits = self._ahead
-            self._ahead = None
+        if self._queued is not None:  # the token a plain round queued
+            token, logits = self._queued
+            self._queued = None
             head, rows = [token.item()], [logits[None]]
             self._take(head)
             budget -= 1
@@ -272,7 +250,7 @@ class SpeculativeDecoder(Decoder):
                 self._take(head)
                 budget -= 1
             if budget > 0:
-                self._ahead = self._issue()
+                self._queued = self._issue()
             return Step(head, 0, 0, mx.concatenate(rows))
         drafted = proposal.size
         fed = [self.pending]
