@@ -215,7 +215,7 @@ class MlxWorker:
     def _solo(self, job: GenerationJob) -> None:
         session = job.session
         if session.batched:  # the last of a batch: its own cache back, speculating again
-            self._settle_batch()
+            self._deliver_rows(self._batch.settle())  # its token the batch has queued
             if session.done:
                 return
             self._batch.leave([session], give_back=True)
@@ -230,20 +230,17 @@ class MlxWorker:
                 self._deliver(job, job.session.take(step.tokens, 0, 0, step.logits))
         newcomers = [j for j in newcomers if not j.session.done]
         if newcomers:
-            self._settle_batch()  # the queued step has no row for them
+            self._deliver_rows(self._batch.settle())  # the queued step has no row for them
             self._batch.join([j.session for j in newcomers])
         if len(self._batch):
-            jobs = {id(j.session): j for j in self._active}
-            for session, round_ in self._batch.step():
-                self._deliver(jobs[id(session)], round_)
+            self._deliver_rows(self._batch.step())
             self.batched_steps += 1
 
-    def _settle_batch(self) -> None:
-        """Hand out the tokens of the batch's queued step (some may end their requests)."""
-        if self._batch.queued:
-            jobs = {id(j.session): j for j in self._active}
-            for session, round_ in self._batch.settle():
-                self._deliver(jobs[id(session)], round_)
+    def _deliver_rows(self, rounds: list) -> None:
+        """A batched step's (session, Round) pairs, each to its job (some may end their requests)."""
+        jobs = {id(j.session): j for j in self._active}
+        for session, round_ in rounds:
+            self._deliver(jobs[id(session)], round_)
 
     def _deliver(self, job: GenerationJob, round_: Round) -> None:
         if job.session.done:
