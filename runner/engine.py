@@ -189,7 +189,8 @@ def device_name() -> str:
 
 
 class Engine:
-    """A loaded target (and optional draft) that generates one request at a time."""
+    """A loaded target (and optional draft), its drafters, depth controllers and prompt cache; ``generate``
+    runs one request alone (``runner.worker`` interleaves and batches them)."""
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, settings: EngineSettings,
                  dtype_reason: str = ""):
@@ -226,8 +227,13 @@ class Engine:
             reasons["model"] = why_not_target
         return reasons
 
+    @property
+    def wanted_drafter(self) -> str:
+        """The configured drafter, or the default one: the draft model when there is one, else n-gram."""
+        return self.settings.drafter or ("model" if self.draft is not None else "ngram")
+
     def _default_drafter(self) -> str:
-        wanted = self.settings.drafter or ("model" if self.draft is not None else "ngram")
+        wanted = self.wanted_drafter
         if wanted not in DRAFTERS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}")
         return wanted if not self.drafters[wanted] else "none"
@@ -239,9 +245,8 @@ class Engine:
     @property
     def speculative_note(self) -> str:
         """How the runner decodes by default, in words."""
-        wanted = self.settings.drafter or ("model" if self.draft is not None else "ngram")
         if self.default_drafter == "none":
-            why = self.drafters.get(wanted) or "drafter = \"none\""
+            why = self.drafters.get(self.wanted_drafter) or "drafter = \"none\""
             return f"plain decoding: {why}"
         depth = (f"k = {self.settings.num_draft_tokens}" if self.settings.num_draft_tokens is not None
                  else f"adaptive depth up to {self.settings.max_draft_tokens}")

@@ -114,6 +114,10 @@ class StatusInterceptor(grpc.ServerInterceptor):
 
     @staticmethod
     def _abort(context, error: BaseException):
+        """End the call with ``error``'s status; an abort already under way (context.abort raises a bare
+        Exception to end the call) goes on as it is."""
+        if type(error) is Exception:
+            raise error
         status = status_of(error)
         if status.code == Code.INTERNAL:
             log.error("%s", status.message, exc_info=error)
@@ -124,8 +128,6 @@ class StatusInterceptor(grpc.ServerInterceptor):
             try:
                 return behavior(request, context)
             except Exception as error:  # noqa: BLE001 - every error gets a status
-                if _is_abort(error):
-                    raise
                 self._abort(context, error)
 
         return wrapped
@@ -135,13 +137,6 @@ class StatusInterceptor(grpc.ServerInterceptor):
             try:
                 yield from behavior(request, context)
             except Exception as error:  # noqa: BLE001 - every error gets a status
-                if _is_abort(error):
-                    raise
                 self._abort(context, error)
 
         return wrapped
-
-
-def _is_abort(error: BaseException) -> bool:
-    """context.abort raises a bare Exception to end the call: let it pass."""
-    return type(error) is Exception
