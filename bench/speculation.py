@@ -3,20 +3,24 @@
 In one run, in-process (the runner adds nothing measurable, see the runner
 table): our plain decoding, fixed depths k = 1..6, the adaptive depth (the
 default), each drafter, and mlx-lm's ``generate_step`` and
-``speculative_generate_step`` on the same loaded models. Greedy throughout, so
+``speculative_generate_step`` on the same checkpoints in the same dtype, but
+without our one-row padding (``runner.row_padding``), as mlx-lm runs them. Greedy throughout, so
 every configuration emits the same tokens. tok/s counts decode only (from the
 first token to the last) and is summed over the prompts of a kind.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
 
+from runner import row_padding
 from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from runner.engine import Engine, EngineSettings
+from runner.loading import load_model
 from runner.request import GenerationRequest
 
 PROSE = (
@@ -67,16 +71,34 @@ def ours(engine: Engine, prompts, tokens: int, chat: bool, **fields) -> tuple[fl
     return generated / seconds, (accepted / drafted if drafted else float("nan"))
 
 
+def as_mlx_lm_runs_it(loaded):
+    """The same checkpoint in the same dtype, without runner.row_padding: mlx-lm's layers as they ship."""
+    previous = os.environ.get(row_padding.ENV)
+    os.environ[row_padding.ENV] = "0"
+    try:
+        return load_model(loaded.path, loaded.dtype).model
+    finally:
+        if previous is None:
+            del os.environ[row_padding.ENV]
+        else:
+            os.environ[row_padding.ENV] = previous
+
+
 def reference(engine: Engine, prompts, tokens: int, chat: bool, k: int) -> float:
-    """mlx-lm's generators on the same loaded models; timed from the first token."""
+    """mlx-lm's generators on the same checkpoints and dtype (without our row padding: as mlx-lm runs
+    them); timed from the first token."""
+    models = engine.__dict__.setdefault("_as_mlx_lm_runs_it", {})
+    if not models:
+        models["target"] = as_mlx_lm_runs_it(engine.target)
+        models["draft"] = as_mlx_lm_runs_it(engine.draft) if engine.draft else None
     generated, seconds = 0, 0.0
     for prompt in prompts:
         ids = (engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
                if chat else engine.tokenizer.encode(prompt))
         if k == 0:
-            steps = generate_step(mx.array(ids), engine.target.model, max_tokens=tokens)
+            steps = generate_step(mx.array(ids), models["target"], max_tokens=tokens)
         else:
-            steps = speculative_generate_step(mx.array(ids), engine.target.model, engine.draft.model,
+            steps = speculative_generate_step(mx.array(ids), models["target"], models["draft"],
                                               num_draft_tokens=k, max_tokens=tokens)
         start = None
         for _ in steps:

@@ -22,6 +22,7 @@ from mlx_lm.utils import dequantize_model, get_total_parameters
 from .errors import ModelLoadError
 from .footprint import context_length
 from .rewind import rewindable
+from .row_padding import applies as row_padding_applies, pad_single_rows
 
 
 @dataclass
@@ -33,6 +34,7 @@ class LoadedModel:
     dtype: str  # the resolved setting: "checkpoint" or "float32"
     parameters: int  # true count (quantized weights unpacked)
     max_context: int | None = None  # a per-model limit below the config's
+    padded_layers: int = 0  # layers that run one-row inputs as two rows (runner.row_padding)
 
     @property
     def quantization(self) -> dict | None:
@@ -105,6 +107,7 @@ def load_model(folder: str | Path, dtype: str, max_context: int | None = None) -
             model.set_dtype(mx.float32)
         mx.eval(model.parameters())
         mx.clear_cache()
+        padded = pad_single_rows(model) if row_padding_applies() else 0
     except Exception as error:  # noqa: BLE001 - any cause is reported with the folder
         raise ModelLoadError(path, f"{type(error).__name__}: {error}") from error
-    return LoadedModel(path, model, tokenizer, config, dtype, parameters, max_context)
+    return LoadedModel(path, model, tokenizer, config, dtype, parameters, max_context, padded)

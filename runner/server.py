@@ -95,6 +95,7 @@ def model_info(loaded: LoadedModel) -> runner_pb2.ModelInfo:
         vocab_size=loaded.vocab_size, quantization_bits=int(quantization.get("bits", 0)),
         quantization_group_size=int(quantization.get("group_size", 0) if quantization else 0),
         cache=loaded.cache_description(), rewindable=loaded.rewindable,
+        row_padded_layers=loaded.padded_layers,
     )
 
 

@@ -1,0 +1,75 @@
+"""One-row products run as two rows on the CPU with MKL (runner.row_padding): same results, other kernel."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from runner import cpu_blas, row_padding
+from runner.defaults import DEFAULT_TARGET
+from runner.loading import load_model
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(prompt)[None], cache=cache)[0, -1]
+    out = []
+    for _ in range(n):
+        token = int(mx.argmax(logits).item())
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    """The default target loaded twice in float32: with the padding forced on, and off."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(row_padding.ENV, "1")
+    padded = load_model(DEFAULT_TARGET, "float32")
+    mp.setenv(row_padding.ENV, "0")
+    plain = load_model(DEFAULT_TARGET, "float32")
+    mp.undo()
+    return padded, plain
+
+
+def test_the_rule_applies_on_the_cpu_with_mkl_unless_overridden(monkeypatch):
+    monkeypatch.delenv(row_padding.ENV, raising=False)
+    assert row_padding.applies() == (mx.default_device() == mx.cpu and cpu_blas.is_loaded())
+    monkeypatch.setenv(row_padding.ENV, "0")
+    assert not row_padding.applies()
+    monkeypatch.setenv(row_padding.ENV, "1")
+    assert row_padding.applies()
+
+
+def test_every_float_linear_and_embedding_is_padded_and_nothing_else(both):
+    padded, plain = both
+    kinds = [type(m) for _, m in padded.model.named_modules()]
+    # 8 layers x 7 projections, the tied embedding (it is also the output projection); no plain Linear left
+    assert padded.padded_layers == 8 * 7 + 1 == kinds.count(row_padding.PaddedLinear) + kinds.count(
+        row_padding.PaddedEmbedding)
+    assert nn.Linear not in kinds and nn.Embedding not in kinds
+    assert plain.padded_layers == 0 and row_padding.PaddedLinear not in [type(m) for _, m in plain.model.named_modules()]
+
+
+def test_a_padded_layer_gives_each_row_what_the_plain_layer_gives(both):
+    padded, plain = both
+    layer_p = padded.model.model.layers[0].mlp.gate_proj
+    layer_q = plain.model.model.layers[0].mlp.gate_proj
+    x = mx.random.normal((1, 1, 384), key=mx.random.key(0))
+    rows = mx.random.normal((3, 2, 384), key=mx.random.key(1))
+    one_p, one_q = layer_p(x), layer_q(x)
+    assert one_p.shape == one_q.shape == (1, 1, 1024)
+    assert mx.allclose(one_p, one_q, rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(layer_p(rows), layer_q(rows)).item()  # several rows: untouched
+    logits_p = padded.model.model.embed_tokens.as_linear(x)
+    assert logits_p.shape == (1, 1, 4096)
+    assert mx.allclose(logits_p, plain.model.model.embed_tokens.as_linear(x), rtol=1e-5, atol=1e-5).item()
+
+
+def test_greedy_decoding_is_the_same_with_and_without_padding(both):
+    padded, plain = both
+    prompt = padded.tokenizer.encode("The for statement is used to iterate over the elements of a sequence")
+    assert greedy(padded.model, prompt, 160) == greedy(plain.model, prompt, 160)
