@@ -11,13 +11,11 @@ first token to the last) and is summed over the prompts of a kind.
 
 from __future__ import annotations
 
-import os
 import time
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
 
-from runner import row_padding
 from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from runner.engine import Engine, EngineSettings
 from runner.loading import load_model
@@ -71,34 +69,25 @@ def ours(engine: Engine, prompts, tokens: int, chat: bool, **fields) -> tuple[fl
     return generated / seconds, (accepted / drafted if drafted else float("nan"))
 
 
-def as_mlx_lm_runs_it(loaded):
-    """The same checkpoint in the same dtype, without runner.row_padding: mlx-lm's layers as they ship."""
-    previous = os.environ.get(row_padding.ENV)
-    os.environ[row_padding.ENV] = "0"
-    try:
-        return load_model(loaded.path, loaded.dtype).model
-    finally:
-        if previous is None:
-            del os.environ[row_padding.ENV]
-        else:
-            os.environ[row_padding.ENV] = previous
+def as_mlx_lm_runs_it(engine: Engine) -> tuple:
+    """(target, draft): the engine's checkpoints in its dtype, without runner.row_padding (mlx-lm's layers
+    as they ship)."""
+    return tuple(load_model(loaded.path, loaded.dtype, row_padding=False).model if loaded else None
+                 for loaded in (engine.target, engine.draft))
 
 
-def reference(engine: Engine, prompts, tokens: int, chat: bool, k: int) -> float:
-    """mlx-lm's generators on the same checkpoints and dtype (without our row padding: as mlx-lm runs
-    them); timed from the first token."""
-    models = engine.__dict__.setdefault("_as_mlx_lm_runs_it", {})
-    if not models:
-        models["target"] = as_mlx_lm_runs_it(engine.target)
-        models["draft"] = as_mlx_lm_runs_it(engine.draft) if engine.draft else None
+def reference(engine: Engine, models: tuple, prompts, tokens: int, chat: bool, k: int) -> float:
+    """mlx-lm's generators on ``models`` (``as_mlx_lm_runs_it``); prompts tokenized by ``engine``; timed
+    from the first token."""
+    target, draft = models
     generated, seconds = 0, 0.0
     for prompt in prompts:
         ids = (engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
                if chat else engine.tokenizer.encode(prompt))
         if k == 0:
-            steps = generate_step(mx.array(ids), models["target"], max_tokens=tokens)
+            steps = generate_step(mx.array(ids), target, max_tokens=tokens)
         else:
-            steps = speculative_generate_step(mx.array(ids), models["target"], models["draft"],
+            steps = speculative_generate_step(mx.array(ids), target, draft,
                                               num_draft_tokens=k, max_tokens=tokens)
         start = None
         for _ in steps:
@@ -132,21 +121,23 @@ def table(title: str, engine: Engine, tokens: int, chat: bool, rows: list) -> di
 
 def run() -> None:
     pair = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=0))
+    pair_as_mlx_lm = as_mlx_lm_runs_it(pair)
     n = 256
     rows = [("ours, plain", lambda p: ours(pair, p, n, False, drafter="none")),
-            ("mlx-lm generate_step", lambda p: (reference(pair, p, n, False, 0), float("nan")))]
+            ("mlx-lm generate_step", lambda p: (reference(pair, pair_as_mlx_lm, p, n, False, 0), float("nan")))]
     rows += [(f"ours, draft model, k = {k}", lambda p, k=k: ours(pair, p, n, False, drafter="model", num_draft_tokens=k))
              for k in range(1, 7)]
-    rows += [(f"mlx-lm speculative_generate_step, k = {k}", lambda p, k=k: (reference(pair, p, n, False, k), float("nan")))
+    rows += [(f"mlx-lm speculative_generate_step, k = {k}", lambda p, k=k: (reference(pair, pair_as_mlx_lm, p, n, False, k), float("nan")))
              for k in range(1, 7)]
     rows += [("ours, n-gram, adaptive", lambda p: ours(pair, p, n, False, drafter="ngram")),
              ("ours, draft model, adaptive (default)", lambda p: ours(pair, p, n, False))]
     table("default pair (draft model)", pair, n, False, rows)
 
     smol = Engine.load(SMOLLM2_DIR, None, EngineSettings(prompt_cache_bytes=0))
+    smol_as_mlx_lm = as_mlx_lm_runs_it(smol)
     n = 96
     rows = [("ours, plain", lambda p: ours(smol, p, n, True, drafter="none")),
-            ("mlx-lm generate_step", lambda p: (reference(smol, p, n, True, 0), float("nan")))]
+            ("mlx-lm generate_step", lambda p: (reference(smol, smol_as_mlx_lm, p, n, True, 0), float("nan")))]
     rows += [(f"ours, n-gram, k = {k}", lambda p, k=k: ours(smol, p, n, True, drafter="ngram", num_draft_tokens=k))
              for k in (1, 2, 4, 6)]
     rows += [("ours, n-gram, adaptive (default)", lambda p: ours(smol, p, n, True))]

@@ -90,10 +90,15 @@ def _dtype_name(model) -> str:
     return str(max(widths, key=widths.get)).removeprefix("mlx.core.")
 
 
-def load_model(folder: str | Path, dtype: str, max_context: int | None = None) -> LoadedModel:
-    """Load one mlx-lm folder in ``dtype`` ("checkpoint" or "float32"); every failure is a ModelLoadError."""
+def load_model(folder: str | Path, dtype: str, max_context: int | None = None,
+               row_padding: bool | None = None) -> LoadedModel:
+    """Load one mlx-lm folder in ``dtype`` ("checkpoint" or "float32"); every failure is a ModelLoadError.
+
+    ``row_padding``: run one-row products as two rows (``runner.row_padding``); None = where it applies."""
     from mlx_lm.utils import load as mlx_lm_load
 
+    if row_padding is None:
+        row_padding = row_padding_applies()
     path = Path(folder)
     if not path.is_dir():
         raise ModelLoadError(path, "no such folder")
@@ -107,7 +112,7 @@ def load_model(folder: str | Path, dtype: str, max_context: int | None = None) -
             model.set_dtype(mx.float32)
         mx.eval(model.parameters())
         mx.clear_cache()
-        padded = pad_single_rows(model) if row_padding_applies() else 0
+        padded = pad_single_rows(model) if row_padding else 0
     except Exception as error:  # noqa: BLE001 - any cause is reported with the folder
         raise ModelLoadError(path, f"{type(error).__name__}: {error}") from error
     return LoadedModel(path, model, tokenizer, config, dtype, parameters, max_context, padded)

@@ -43,26 +43,21 @@ def applies() -> bool:
     return mx.default_device() == mx.cpu and cpu_blas.is_loaded()
 
 
-def _single_row(x: mx.array) -> bool:
-    return x.ndim >= 2 and x.size == x.shape[-1]
-
-
-def _two_rows(x: mx.array) -> mx.array:
-    return mx.broadcast_to(x, (*x.shape[:-2], 2, x.shape[-1]))
+def _through_two_rows(product, x: mx.array) -> mx.array:
+    """``product(x)``; a one-row ``x`` goes through as two identical rows and the first is kept."""
+    if x.ndim >= 2 and x.size == x.shape[-1]:
+        return product(mx.broadcast_to(x, (*x.shape[:-2], 2, x.shape[-1])))[..., :1, :]
+    return product(x)
 
 
 class PaddedLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
-        if _single_row(x):
-            return super().__call__(_two_rows(x))[..., :1, :]
-        return super().__call__(x)
+        return _through_two_rows(super().__call__, x)
 
 
 class PaddedEmbedding(nn.Embedding):
     def as_linear(self, x: mx.array) -> mx.array:
-        if _single_row(x):
-            return super().as_linear(_two_rows(x))[..., :1, :]
-        return super().as_linear(x)
+        return _through_two_rows(super().as_linear, x)
 
 
 def pad_single_rows(model) -> int:

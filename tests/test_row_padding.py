@@ -24,15 +24,9 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def both(tmp_path_factory):
+def both():
     """The default target loaded twice in float32: with the padding forced on, and off."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv(row_padding.ENV, "1")
-    padded = load_model(DEFAULT_TARGET, "float32")
-    mp.setenv(row_padding.ENV, "0")
-    plain = load_model(DEFAULT_TARGET, "float32")
-    mp.undo()
-    return padded, plain
+    return load_model(DEFAULT_TARGET, "float32", row_padding=True), load_model(DEFAULT_TARGET, "float32", row_padding=False)
 
 
 def test_the_rule_applies_on_the_cpu_with_mkl_unless_overridden(monkeypatch):
