@@ -6,6 +6,8 @@ must follow the target's distribution whatever drafts it.
 
 from __future__ import annotations
 
+import random
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -118,6 +120,40 @@ def test_depth_controller_goes_deep_when_drafts_are_kept_and_plain_when_they_are
     assert never.best() == 0
     assert never.histogram[1] > 0  # it still probes now and then
     assert never.histogram[0] > 0.7 * sum(never.histogram.values())
+
+
+def steady(controller, rounds, seconds, acceptance, rng, spikes=0.0):
+    """Run ``controller`` for ``rounds`` rounds: a round of depth k takes ``seconds[k]`` (within 10%, and 4x as
+    long with chance ``spikes``), each draft kept with chance ``acceptance`` while the ones before it were."""
+    for _ in range(rounds):
+        k = controller.choose()
+        kept = 0
+        while kept < k and rng.random() < acceptance:
+            kept += 1
+        took = seconds[k] * rng.uniform(0.9, 1.1) * (4 if rng.random() < spikes else 1)
+        controller.record(k, kept, took)
+
+
+def test_depth_controller_probes_less_while_the_best_depth_keeps_winning():
+    rng = random.Random(1)
+    seconds = {0: 0.016, 1: 0.012, 2: 0.019, 3: 0.024, 4: 0.03, 5: 0.036, 6: 0.042}  # k = 1 is clearly best
+    controller = DepthController(max_depth=6, probe_every=10, max_probe_every=80)
+    steady(controller, 2000, seconds, 0.75, rng)
+    assert controller.best() == 1 and controller.interval == 80
+    assert controller.histogram[1] > 0.97 * 2000  # at a fixed interval of 10 it would be ~0.9
+    # Drafts become nearly free and always kept: it finds the deeper depths again, at the base interval.
+    cheap = {k: 0.012 + 0.0005 * k for k in range(7)}
+    steady(controller, 600, cheap, 1.0, rng)
+    assert controller.best() >= 4
+
+
+def test_depth_controller_is_not_thrown_by_late_rounds():
+    """On a shared machine some rounds run late; they must not make the best depth look slow for long."""
+    rng = random.Random(2)
+    seconds = {0: 0.016, 1: 0.012, 2: 0.019, 3: 0.024, 4: 0.03, 5: 0.036, 6: 0.042}
+    controller = DepthController(max_depth=6)
+    steady(controller, 2000, seconds, 0.75, rng, spikes=0.05)
+    assert controller.histogram[1] > 0.9 * 2000
 
 
 def test_sampled_speculation_with_ngram_is_reproducible_with_a_seed(engine):
