@@ -7,6 +7,11 @@ default), each drafter, and mlx-lm's ``generate_step`` and
 without our one-row padding (``runner.row_padding``), as mlx-lm runs them. Greedy throughout, so
 every configuration emits the same tokens. tok/s counts decode only (from the
 first token to the last) and is summed over the prompts of a kind.
+
+The default pair continues raw text for a fixed number of tokens. The instruct
+model answers chat messages and stops at the end of its answer (up to a
+limit): what follows an ignored end of turn is an invented next conversation,
+which has nothing to copy from the input and is not what a user waits for.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from runner.engine import Engine, EngineSettings
 from runner.loading import load_model
-from runner.request import GenerationRequest
+from runner.request import GenerationRequest, end_of_turn_ids
 
 PROSE = (
     "The for statement is used to iterate over the elements of a sequence",
@@ -52,13 +57,14 @@ GROUNDED_CHAT = (
 
 
 def ours(engine: Engine, prompts, tokens: int, chat: bool, **fields) -> tuple[float, float]:
-    """(tok/s, acceptance) over ``prompts``."""
+    """(tok/s, acceptance) over ``prompts``: ``tokens`` each, or (``chat``) to the end of the answer, at most
+    ``tokens``."""
     generated = seconds = drafted = accepted = 0
     for prompt in prompts:
         request = (GenerationRequest(messages=(("user", prompt),), **fields) if chat
                    else GenerationRequest(prompt=prompt, **fields))
         for last in engine.generate(GenerationRequest(**{**request.__dict__, "max_tokens": tokens,
-                                                         "ignore_eos": True, "cache_prompt": False})):
+                                                         "ignore_eos": not chat, "cache_prompt": False})):
             pass
         s = last.stats
         generated += s.generated_tokens
@@ -80,6 +86,7 @@ def reference(engine: Engine, models: tuple, prompts, tokens: int, chat: bool, k
     """mlx-lm's generators on ``models`` (``as_mlx_lm_runs_it``); prompts tokenized by ``engine``; timed
     from the first token."""
     target, draft = models
+    ends = frozenset(engine.tokenizer.eos_token_ids) | end_of_turn_ids(engine.tokenizer) if chat else frozenset()
     generated, seconds = 0, 0.0
     for prompt in prompts:
         ids = (engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
@@ -90,9 +97,11 @@ def reference(engine: Engine, models: tuple, prompts, tokens: int, chat: bool, k
             steps = speculative_generate_step(mx.array(ids), target, draft,
                                               num_draft_tokens=k, max_tokens=tokens)
         start = None
-        for _ in steps:
+        for out in steps:  # (token, logprobs[, from_draft])
             start = start or time.perf_counter()
             generated += 1
+            if int(out[0]) in ends:
+                break
         seconds += time.perf_counter() - start
         generated -= 1
     return generated / seconds
@@ -100,7 +109,8 @@ def reference(engine: Engine, models: tuple, prompts, tokens: int, chat: bool, k
 
 def table(title: str, engine: Engine, tokens: int, chat: bool, rows: list) -> dict:
     kinds = {"prose": PROSE, "input-grounded": GROUNDED_CHAT if chat else GROUNDED_TEXT}
-    print(f"## speculation: {title}, {tokens} greedy tokens per prompt "
+    length = f"greedy answers of up to {tokens} tokens" if chat else f"{tokens} greedy tokens per prompt"
+    print(f"## speculation: {title}, {length} "
           f"({len(PROSE)} prose prompts, {len(GROUNDED_TEXT)} input-grounded)\n")
     print("| decoder | " + " | ".join(f"{kind} tok/s | vs our plain | acceptance" for kind in kinds) + " |")
     print("| --- | " + " | ".join("--- | --- | ---" for _ in kinds) + " |")
@@ -135,7 +145,7 @@ def run() -> None:
 
     smol = Engine.load(SMOLLM2_DIR, None, EngineSettings(prompt_cache_bytes=0))
     smol_as_mlx_lm = as_mlx_lm_runs_it(smol)
-    n = 96
+    n = 160
     rows = [("ours, plain", lambda p: ours(smol, p, n, True, drafter="none")),
             ("mlx-lm generate_step", lambda p: (reference(smol, smol_as_mlx_lm, p, n, True, 0), float("nan")))]
     rows += [(f"ours, n-gram, k = {k}", lambda p, k=k: ours(smol, p, n, True, drafter="ngram", num_draft_tokens=k))
