@@ -147,9 +147,7 @@ class Batch:
         if all(s.decoder.params.greedy for s in rows):
             chosen = mx.argmax(logits, axis=-1)
         else:  # each row by its own rule; a sampling row draws its next key, as alone
-            decoders = [s.decoder for s in rows]
-            chosen = mx.stack([d.choose(logits[i], None if d.params.greedy else d._keys(1)[0])
-                               for i, d in enumerate(decoders)])
+            chosen = mx.stack([s.decoder.choose_next(logits[i]) for i, s in enumerate(rows)])
         return chosen, logits, capacity(self.cache)
 
     def _deliver(self, chosen: mx.array, logits: mx.array) -> list:

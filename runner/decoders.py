@@ -91,14 +91,6 @@ class Decoder:
             sizes.append(size)
         return offset + size >= len(context)
 
-    def prefill(self, planner: PrefillPlanner, between=lambda: False, sizes: list | None = None) -> bool:
-        """The whole prompt, chunk by chunk. ``between()`` runs after every chunk (the caller's sign of
-        progress); when it returns True the prefill stops there and this returns False."""
-        while not self.prefill_step(planner, sizes):
-            if between():
-                return False
-        return not between()
-
     # -- rounds ---------------------------------------------------------------------------------------
 
     def _keys(self, n: int):
@@ -110,13 +102,17 @@ class Decoder:
             return mx.argmax(logits, axis=-1)
         return sample(filtered_probs(logits, self.params), key)
 
+    def choose_next(self, logits: mx.array) -> mx.array:
+        """The token after ``logits`` (lazy), drawing this request's next random key when it samples:
+        one key per token, alone or in a batch."""
+        return self.choose(logits, None if self.params.greedy else self._keys(1)[0])
+
     def _queue(self, token) -> tuple[mx.array, mx.array]:
         """Queue the forward pass of ``token`` (an int, or a lazy array still on the device) and the
         choice after it: (chosen, logits), evaluated asynchronously."""
-        (key,) = self._keys(1)
         inputs = mx.array([token], dtype=mx.uint32) if isinstance(token, int) else token.reshape(1)
         logits = self.model(inputs[None], cache=self.cache)[0, -1]
-        chosen = self.choose(logits, key)
+        chosen = self.choose_next(logits)
         mx.async_eval(chosen)
         return chosen, logits
 
@@ -129,6 +125,20 @@ class Decoder:
     def step(self, budget: int) -> Step:
         """One round: never more than ``budget`` tokens."""
         raise NotImplementedError
+
+    def _pipelined_step(self, budget: int) -> Step:
+        """One plain token: read the token a pass queued (queue it first if none is), after queueing the
+        pass that feeds it - built from the device's token, not the host's, so the device never waits on
+        the host's work on a token."""
+        if self._queued is None:
+            self._queued = self._queue(self.pending)
+        token, logits = self._queued
+        self._queued = self._queue(token) if budget > 1 else None
+        tokens = [token.item()]
+        self._take(tokens)
+        if self._queued is not None:  # the queued pass has fed it already
+            self.held = len(self.tokens)
+        return Step(tokens, 0, 0, logits[None])
 
     def cached_state(self) -> tuple[list[int], list]:
         """What the caches hold, for the prompt cache (the request is over)."""
@@ -169,25 +179,20 @@ class PlainDecoder(Decoder):
     """One token a round, the next forward pass queued before the host reads this one."""
 
     def step(self, budget: int) -> Step:
-        if self._queued is None:
-            self._queued = self._queue(self.pending)
-        token, logits = self._queued
-        self._queued = self._queue(token) if budget > 1 else None  # depends on the device's token, not the host's
-        tokens = [token.item()]
-        self._take(tokens)
-        if self._queued is not None:  # the queued pass has fed it already
-            self.held = len(self.tokens)
         self.stats.depths[0] += 1
-        return Step(tokens, 0, 0, logits[None])
+        return self._pipelined_step(budget)
 
 
 class SpeculativeDecoder(Decoder):
     """Draft, verify in one forward pass, keep the accepted prefix plus one target token, rewind.
 
-    A round with nothing to verify (depth 0, or no proposal) is a plain round,
-    pipelined like ``PlainDecoder``'s: it queues the forward pass of its token
-    and the choice after it (``_queued``), and the next round starts by reading
-    that token - then drafts on top of it, or queues the next one.
+    A round of depth 0 is ``PlainDecoder``'s step: the pass after its token is
+    queued from the device's token before the host reads it. A round that
+    wanted to draft but got no proposal (the n-gram lookup found nothing) is a
+    plain round too, but it has read its token first (the lookup needed it),
+    so its next pass is queued after the read. Either way the next round
+    starts by reading the queued token (``_queued``) - then drafts on top of
+    it, or queues the next one.
     """
 
     def __init__(self, model, prompt_ids, params, key, drafter, depth: DepthController | FixedDepth,
@@ -221,25 +226,40 @@ class SpeculativeDecoder(Decoder):
     def take_back(self, cache: list) -> None:
         super().take_back(cache)
         self.rewinder = Rewinder(self.model, self.cache)
+        self._last_end = None  # its last solo round ended before the batch: the next one is not timed
 
     def step(self, budget: int) -> Step:
-        started = self._last_end if self._last_end is not None else time.perf_counter()
-        head, rows = [], []
-        if self._queued is not None:  # the token a plain round queued
-            token, logits = self._queued
-            self._queued = None
-            head, rows = [token.item()], [logits[None]]
-            self._take(head)
-            budget -= 1
-        step = self._round(budget, head, rows) if budget > 0 else Step(head, 0, 0, rows[0])
+        started = self._last_end  # None in a request's first round: it carries one-off costs (the cache's
+        # first growth past the prompt), so the depth controller does not time it
+        # While the drafter would likely have nothing (the n-gram lookup finds no earlier occurrence of the
+        # context's end), plain rounds keep the pipeline going; the depth controller is asked only when a
+        # round could draft.
+        wanted = self.depth.choose() if self._queued is None or self.drafter.ready() else 0
+        k = 0
+        if wanted == 0:  # a plain round, pipelined
+            step = self._pipelined_step(budget)
+        else:
+            head, rows = [], []
+            if self._queued is not None:  # the token a plain round queued
+                token, logits = self._queued
+                self._queued = None
+                head, rows = [token.item()], [logits[None]]
+                self._take(head)
+                budget -= 1
+            k = min(wanted, budget - 1)
+            step = self._round(budget, k, head, rows) if budget > 0 else Step(head, 0, 0, rows[0])
+        # A round whose drafter had nothing to offer counts, for the controller, as one at depth k whose first
+        # draft was not kept: depth k's acceptance and time include its rounds without a proposal, and depth
+        # 0's time stays that of pipelined plain rounds.
         self._last_end = time.perf_counter()
-        self.depth.record(step.drafted, step.accepted, self._last_end - started)
+        self.depth.record(step.drafted or k, step.accepted, None if started is None else self._last_end - started)
         self.stats.depths[step.drafted] += 1
         return step
 
-    def _round(self, budget: int, head: list[int], rows: list) -> Step:
+    def _round(self, budget: int, k: int, head: list[int], rows: list) -> Step:
+        """Draft up to ``k`` tokens on top of ``head`` (a token a plain round queued, now read) and verify
+        them; with nothing to verify, a plain round."""
         draft_key, verify_key = self._keys(2)
-        k = min(self.depth.choose(), budget - 1)
         proposal = self.drafter.propose(self.tokens, k, self.params, draft_key) if k > 0 else None
         if proposal is not None and proposal.size > k:
             proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])

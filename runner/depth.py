@@ -99,15 +99,18 @@ class DepthController:
             return up if (self._probe_up and up != best) or down == best else down
         return best
 
-    def record(self, drafted: int, accepted: int, seconds: float) -> None:
-        """A round drafted ``drafted`` tokens (its depth), kept ``accepted`` and took ``seconds``."""
+    def record(self, drafted: int, accepted: int, seconds: float | None) -> None:
+        """A round drafted ``drafted`` tokens (its depth), kept ``accepted`` and took ``seconds`` (None: not
+        timed, e.g. a request's first round, which carries one-off costs)."""
         self.histogram[drafted] += 1
         w = self.smoothing
         for i in range(min(drafted, accepted + 1)):  # positions the verification reached
             kept = 1.0 if i < accepted else 0.0
             self.acceptance[i] += w * (kept - self.acceptance[i])
         previous = self.seconds.get(drafted)
-        if previous is None:
+        if seconds is None:
+            pass
+        elif previous is None:
             self.seconds[drafted] = seconds
         else:
             self.seconds[drafted] = previous + w * (min(seconds, SPIKE * previous) - previous)
@@ -127,5 +130,5 @@ class FixedDepth:
     def choose(self) -> int:
         return self.depth
 
-    def record(self, drafted: int, accepted: int, seconds: float) -> None:
+    def record(self, drafted: int, accepted: int, seconds: float | None) -> None:
         self.histogram[drafted] += 1

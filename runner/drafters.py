@@ -57,6 +57,10 @@ class Drafter(Protocol):
     def extend(self, tokens: list[int]) -> None:
         """The context grew by ``tokens``."""
 
+    def ready(self) -> bool:
+        """Whether the next round will likely have a proposal, judged from the context so far (before the
+        token the target is computing now is known); cheap."""
+
 
 class ModelDrafter:
     """A draft model on its own KV cache.
@@ -109,6 +113,9 @@ class ModelDrafter:
     def extend(self, tokens: list[int]) -> None:
         pass  # it catches up from the context when it next proposes
 
+    def ready(self) -> bool:
+        return True  # it always proposes
+
 
 class NgramDrafter:
     """Prompt lookup over the context (prompt plus generated tokens)."""
@@ -141,6 +148,11 @@ class NgramDrafter:
             if follower is not None:
                 return context[follower : follower + k]
         return []
+
+    def ready(self) -> bool:
+        """The context's end occurred before: the output is likely copying, and the next token's lookup
+        will likely find something too."""
+        return bool(self.lookup(1))
 
     def propose(self, context: list[int], k: int, params: SamplingParams, key) -> Proposal | None:
         # Its own copy of the context (kept by ``extend``) carries the n-gram index.

@@ -104,11 +104,11 @@ class Sampling(Schema):
     num_draft_tokens: StrictInt | None = Field(None, ge=0)
     drafter: StrictStr | None = None
 
-    def check(self) -> None:
+    def shared_proto(self, max_tokens: int | None) -> supervisor_pb2.GenerateRequest:
+        """A GenerateRequest with the shared fields set (after checking them); the caller adds its own."""
         if self.n != 1:
             raise ServiceError(Code.INVALID_ARGUMENT, "n: only 1 choice per request is supported", "n")
-
-    def fill(self, proto: supervisor_pb2.GenerateRequest, max_tokens: int | None) -> None:
+        proto = supervisor_pb2.GenerateRequest()
         proto.model = self.model
         proto.max_tokens = max_tokens or MAX_TOKENS_UNSET
         proto.temperature = 1.0 if self.temperature is None else float(self.temperature)  # OpenAI's default
@@ -126,6 +126,7 @@ class Sampling(Schema):
             proto.drafter = self.drafter
         proto.ignore_eos = self.ignore_eos
         proto.request_id = f"http-{secrets.token_hex(6)}"
+        return proto
 
 
 class ChatCompletionRequest(Sampling):
@@ -136,9 +137,7 @@ class ChatCompletionRequest(Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_proto(self) -> supervisor_pb2.GenerateRequest:
-        self.check()
-        proto = supervisor_pb2.GenerateRequest()
-        self.fill(proto, self.max_completion_tokens or self.max_tokens)
+        proto = self.shared_proto(self.max_completion_tokens or self.max_tokens)
         for message in self.messages:
             role = "system" if message.role == "developer" else message.role
             proto.messages.add(role=role, content=message.text(), name=message.name or "")
@@ -158,13 +157,11 @@ class CompletionRequest(Sampling):
     suffix: StrictStr | None = None
 
     def to_proto(self) -> supervisor_pb2.GenerateRequest:
-        self.check()
         if self.echo:
             raise ServiceError(Code.INVALID_ARGUMENT, "echo: not supported", "echo")
         if self.suffix:
             raise ServiceError(Code.INVALID_ARGUMENT, "suffix: not supported", "suffix")
-        proto = supervisor_pb2.GenerateRequest()
-        self.fill(proto, self.max_tokens or 16)  # OpenAI's default for completions
+        proto = self.shared_proto(self.max_tokens or 16)  # OpenAI's default for completions
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:

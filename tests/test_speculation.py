@@ -62,20 +62,37 @@ def test_greedy_with_the_adaptive_depth_equals_plain(engine, plain, drafter):
         assert len(stats.depths) >= 2  # it tried more than one depth
 
 
-def test_pipelined_plain_decoding_equals_round_by_round(engine, plain):
-    """The plain decoder queues each next forward pass; a speculative decoder pinned at k = 0 does not."""
+@pytest.mark.parametrize("k", [0, 1])
+def test_the_plain_rounds_of_a_speculative_decoder_equal_plain_decoding(engine, plain, k):
+    """PlainDecoder queues each next forward pass before reading a token. A speculative decoder does the same
+    in its rounds of depth 0 and while the n-gram drafter is not ready; a round that looks a token up and
+    finds nothing reads it first and queues after; a round with a proposal verifies it. At k = 1 on prose
+    the n-gram drafter gives every kind of round."""
     ids = engine.tokenizer.encode(PROSE)
     params = SamplingParams()
     results = []
     for decoder in (PlainDecoder(engine.target.model, ids, params, mx.random.key(0)),
                     SpeculativeDecoder(engine.target.model, ids, params, mx.random.key(0),
-                                       NgramDrafter(ids), FixedDepth(0))):
-        decoder.prefill(PrefillPlanner(heads=6))
+                                       NgramDrafter(ids), FixedDepth(k))):
+        planner = PrefillPlanner(heads=6)
+        while not decoder.prefill_step(planner):
+            pass
         tokens = []
         while len(tokens) < TOKENS:
             tokens += decoder.step(TOKENS - len(tokens)).tokens
         results.append(tokens)
     assert results[0] == results[1] == plain[PROSE]
+    if k:
+        assert decoder.stats.depths[0] > 0 and decoder.stats.depths[1] > 0
+
+
+def test_the_ngram_drafter_is_ready_when_the_context_end_occurred_before():
+    drafter = NgramDrafter([1, 2, 3, 9, 1, 2], n_max=3, n_min=2)
+    assert drafter.ready()  # "1 2" came before: the output is copying
+    drafter.extend([8])
+    assert not drafter.ready()  # "2 8" did not
+    drafter.extend([1, 2, 3])
+    assert drafter.ready()
 
 
 def test_ngram_lookup_takes_the_longest_most_recent_match():
@@ -154,6 +171,14 @@ def test_depth_controller_is_not_thrown_by_late_rounds():
     controller = DepthController(max_depth=6)
     steady(controller, 2000, seconds, 0.75, rng, spikes=0.05)
     assert controller.histogram[1] > 0.9 * 2000
+
+
+def test_depth_controller_does_not_time_an_untimed_round():
+    controller = DepthController(max_depth=6)
+    controller.record(1, 1, None)  # a request's first round: acceptance counts, its time does not
+    assert controller.seconds == {} and controller.acceptance[0] > 0.5 and controller.histogram[1] == 1
+    controller.record(1, 0, 0.01)
+    assert controller.seconds == {1: 0.01}
 
 
 def test_sampled_speculation_with_ngram_is_reproducible_with_a_seed(engine):
