@@ -6,7 +6,8 @@ default), each drafter, and mlx-lm's ``generate_step`` and
 ``speculative_generate_step`` on the same checkpoints in the same dtype, but
 without our one-row padding (``runner.row_padding``), as mlx-lm runs them. Greedy throughout, so
 every configuration emits the same tokens. tok/s counts decode only (from the
-first token to the last) and is summed over the prompts of a kind.
+first token to the last) and is summed over the prompts of a kind. The
+configurations take turns on each prompt, so the machine's drift is shared.
 
 The default pair continues raw text for a fixed number of tokens. The instruct
 model answers chat messages and stops at the end of its answer (up to a
@@ -17,6 +18,7 @@ which has nothing to copy from the input and is not what a user waits for.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
@@ -56,23 +58,38 @@ GROUNDED_CHAT = (
 )
 
 
-def ours(engine: Engine, prompts, tokens: int, chat: bool, **fields) -> tuple[float, float]:
-    """(tok/s, acceptance) over ``prompts``: ``tokens`` each, or (``chat``) to the end of the answer, at most
-    ``tokens``."""
-    generated = seconds = drafted = accepted = 0
-    for prompt in prompts:
-        request = (GenerationRequest(messages=(("user", prompt),), **fields) if chat
-                   else GenerationRequest(prompt=prompt, **fields))
-        for last in engine.generate(GenerationRequest(**{**request.__dict__, "max_tokens": tokens,
-                                                         "ignore_eos": not chat, "cache_prompt": False})):
-            pass
-        s = last.stats
-        generated += s.generated_tokens
-        seconds += s.decode_seconds - (s.time_to_first_token - s.prefill_seconds)
-        drafted += s.drafted
-        accepted += s.accepted
-        generated -= 1  # the first token came with the prefill
-    return generated / seconds, (accepted / drafted if drafted else float("nan"))
+@dataclass
+class Tally:
+    """Decode-only counts of one configuration, summed over prompts."""
+
+    generated: int = 0  # tokens after the first (which comes with the prefill)
+    seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(self.generated + other.generated, self.seconds + other.seconds,
+                     self.drafted + other.drafted, self.accepted + other.accepted)
+
+    @property
+    def rate(self) -> float:
+        return self.generated / self.seconds
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+
+def ours(engine: Engine, prompt: str, tokens: int, chat: bool, **fields) -> Tally:
+    """One prompt: ``tokens`` tokens, or (``chat``) to the end of the answer, at most ``tokens``."""
+    request = (GenerationRequest(messages=(("user", prompt),), **fields) if chat
+               else GenerationRequest(prompt=prompt, **fields))
+    for last in engine.generate(GenerationRequest(**{**request.__dict__, "max_tokens": tokens,
+                                                     "ignore_eos": not chat, "cache_prompt": False})):
+        pass
+    s = last.stats
+    return Tally(s.generated_tokens - 1, s.decode_seconds - (s.time_to_first_token - s.prefill_seconds),
+                 s.drafted, s.accepted)
 
 
 def as_mlx_lm_runs_it(engine: Engine) -> tuple:
@@ -82,29 +99,24 @@ def as_mlx_lm_runs_it(engine: Engine) -> tuple:
                  for loaded in (engine.target, engine.draft))
 
 
-def reference(engine: Engine, models: tuple, prompts, tokens: int, chat: bool, k: int) -> float:
-    """mlx-lm's generators on ``models`` (``as_mlx_lm_runs_it``); prompts tokenized by ``engine``; timed
+def reference(engine: Engine, models: tuple, prompt: str, tokens: int, chat: bool, k: int) -> Tally:
+    """mlx-lm's generators on ``models`` (``as_mlx_lm_runs_it``), one prompt tokenized by ``engine``; timed
     from the first token."""
     target, draft = models
     ends = frozenset(engine.tokenizer.eos_token_ids) | end_of_turn_ids(engine.tokenizer) if chat else frozenset()
-    generated, seconds = 0, 0.0
-    for prompt in prompts:
-        ids = (engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-               if chat else engine.tokenizer.encode(prompt))
-        if k == 0:
-            steps = generate_step(mx.array(ids), target, max_tokens=tokens)
-        else:
-            steps = speculative_generate_step(mx.array(ids), target, draft,
-                                              num_draft_tokens=k, max_tokens=tokens)
-        start = None
-        for out in steps:  # (token, logprobs[, from_draft])
-            start = start or time.perf_counter()
-            generated += 1
-            if int(out[0]) in ends:
-                break
-        seconds += time.perf_counter() - start
-        generated -= 1
-    return generated / seconds
+    ids = (engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+           if chat else engine.tokenizer.encode(prompt))
+    if k == 0:
+        steps = generate_step(mx.array(ids), target, max_tokens=tokens)
+    else:
+        steps = speculative_generate_step(mx.array(ids), target, draft, num_draft_tokens=k, max_tokens=tokens)
+    generated, start = 0, None
+    for out in steps:  # (token, logprobs[, from_draft])
+        start = start or time.perf_counter()
+        generated += 1
+        if int(out[0]) in ends:
+            break
+    return Tally(generated - 1, time.perf_counter() - start)
 
 
 def table(title: str, engine: Engine, tokens: int, chat: bool, rows: list) -> dict:
@@ -114,16 +126,22 @@ def table(title: str, engine: Engine, tokens: int, chat: bool, rows: list) -> di
           f"({len(PROSE)} prose prompts, {len(GROUNDED_TEXT)} input-grounded)\n")
     print("| decoder | " + " | ".join(f"{kind} tok/s | vs our plain | acceptance" for kind in kinds) + " |")
     print("| --- | " + " | ".join("--- | --- | ---" for _ in kinds) + " |")
-    ours(engine, PROSE[:1], 16, chat, drafter="none")  # warm-up
-    results = {}
-    for label, run in rows:
-        results[label] = {kind: run(prompts) for kind, prompts in kinds.items()}
+    ours(engine, PROSE[0], 16, chat, drafter="none")  # warm-up
+    # Every configuration runs each prompt in turn (in the opposite order for every other prompt), so a
+    # machine that slows down or speeds up during the run weighs on all of them alike.
+    results = {label: {kind: Tally() for kind in kinds} for label, _ in rows}
+    turn = 0
+    for kind, prompts in kinds.items():
+        for prompt in prompts:
+            for label, run in rows if turn % 2 == 0 else rows[::-1]:
+                results[label][kind] += run(prompt)
+            turn += 1
     base = results["ours, plain"]
     for label, by_kind in results.items():
         cells = []
-        for kind, (rate, acceptance) in by_kind.items():
-            shown = "-" if acceptance != acceptance else f"{acceptance:.2f}"
-            cells.append(f"{rate:.1f} | {rate / base[kind][0]:.2f}x | {shown}")
+        for kind, tally in by_kind.items():
+            shown = "-" if tally.acceptance != tally.acceptance else f"{tally.acceptance:.2f}"
+            cells.append(f"{tally.rate:.1f} | {tally.rate / base[kind].rate:.2f}x | {shown}")
         print(f"| {label} | " + " | ".join(cells) + " |")
     print()
     return results
@@ -134,10 +152,10 @@ def run() -> None:
     pair_as_mlx_lm = as_mlx_lm_runs_it(pair)
     n = 256
     rows = [("ours, plain", lambda p: ours(pair, p, n, False, drafter="none")),
-            ("mlx-lm generate_step", lambda p: (reference(pair, pair_as_mlx_lm, p, n, False, 0), float("nan")))]
+            ("mlx-lm generate_step", lambda p: reference(pair, pair_as_mlx_lm, p, n, False, 0))]
     rows += [(f"ours, draft model, k = {k}", lambda p, k=k: ours(pair, p, n, False, drafter="model", num_draft_tokens=k))
              for k in range(1, 7)]
-    rows += [(f"mlx-lm speculative_generate_step, k = {k}", lambda p, k=k: (reference(pair, pair_as_mlx_lm, p, n, False, k), float("nan")))
+    rows += [(f"mlx-lm speculative_generate_step, k = {k}", lambda p, k=k: reference(pair, pair_as_mlx_lm, p, n, False, k))
              for k in range(1, 7)]
     rows += [("ours, n-gram, adaptive", lambda p: ours(pair, p, n, False, drafter="ngram")),
              ("ours, draft model, adaptive (default)", lambda p: ours(pair, p, n, False))]
@@ -147,7 +165,7 @@ def run() -> None:
     smol_as_mlx_lm = as_mlx_lm_runs_it(smol)
     n = 160
     rows = [("ours, plain", lambda p: ours(smol, p, n, True, drafter="none")),
-            ("mlx-lm generate_step", lambda p: (reference(smol, smol_as_mlx_lm, p, n, True, 0), float("nan")))]
+            ("mlx-lm generate_step", lambda p: reference(smol, smol_as_mlx_lm, p, n, True, 0))]
     rows += [(f"ours, n-gram, k = {k}", lambda p, k=k: ours(smol, p, n, True, drafter="ngram", num_draft_tokens=k))
              for k in (1, 2, 4, 6)]
     rows += [("ours, n-gram, adaptive (default)", lambda p: ours(smol, p, n, True))]
