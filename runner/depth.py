@@ -16,6 +16,9 @@ the best, or it would be the best. So the interval backs off: it starts at
 ``probe_every`` rounds, doubles after each probe that leaves the best depth
 where it was, up to ``max_probe_every``, and falls back to ``probe_every`` as
 soon as the best depth changes (by a probe, or because its acceptance moved).
+From plain decoding (k = 0) it does not back off: a probe at k = 1 costs
+little (one forward pass of two tokens, about the price of one), and the
+output may start copying at any moment.
 Dropping to a shallower depth needs no probe: the best depth's own rounds
 keep the acceptance of its positions current.
 
@@ -115,7 +118,7 @@ class DepthController:
         else:
             self.seconds[drafted] = previous + w * (min(seconds, SPIKE * previous) - previous)
         if self._probed_from is not None:
-            if self.best() == self._probed_from:  # the probe lost: wait longer before the next one
+            if self.best() == self._probed_from > 0:  # the probe lost: wait longer before the next one
                 self.interval = min(2 * self.interval, self.max_probe_every)
             self._probed_from = None
 
