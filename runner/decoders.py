@@ -229,12 +229,13 @@ class SpeculativeDecoder(Decoder):
         self._last_end = None  # its last solo round ended before the batch: the next one is not timed
 
     def step(self, budget: int) -> Step:
-        started = self._last_end  # None in a request's first round: it carries one-off costs (the cache's
-        # first growth past the prompt), so the depth controller does not time it
+        # A request's first round is not timed (None): it carries one-off costs, such as the cache's first
+        # growth past the prompt.
+        started = self._last_end
         # While the drafter would likely have nothing (the n-gram lookup finds no earlier occurrence of the
         # context's end), plain rounds keep the pipeline going; the depth controller is asked only when a
         # round could draft.
-        wanted = self.depth.choose() if self._queued is None or self.drafter.ready() else 0
+        wanted = self.depth.choose() if self.drafter.ready() else 0
         k = 0
         if wanted == 0:  # a plain round, pipelined
             step = self._pipelined_step(budget)

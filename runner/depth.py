@@ -111,12 +111,9 @@ class DepthController:
             kept = 1.0 if i < accepted else 0.0
             self.acceptance[i] += w * (kept - self.acceptance[i])
         previous = self.seconds.get(drafted)
-        if seconds is None:
-            pass
-        elif previous is None:
-            self.seconds[drafted] = seconds
-        else:
-            self.seconds[drafted] = previous + w * (min(seconds, SPIKE * previous) - previous)
+        if seconds is not None:
+            self.seconds[drafted] = (seconds if previous is None
+                                     else previous + w * (min(seconds, SPIKE * previous) - previous))
         if self._probed_from is not None:
             if self.best() == self._probed_from > 0:  # the probe lost: wait longer before the next one
                 self.interval = min(2 * self.interval, self.max_probe_every)
