@@ -153,12 +153,17 @@ class Decoder:
         """Read a token a pipelined round has queued, so the cache holds exactly all but ``pending``."""
         if self._queued is None:
             return None
+        tokens, logits = self._read_queued()
+        self.stats.depths[0] += 1
+        return Step(tokens, 0, 0, logits)
+
+    def _read_queued(self) -> tuple[list[int], mx.array]:
+        """Read the token a pipelined round queued and take it: ([token], its logits row (1, vocab))."""
         token, logits = self._queued
         self._queued = None
         tokens = [token.item()]
         self._take(tokens)
-        self.stats.depths[0] += 1
-        return Step(tokens, 0, 0, logits[None])
+        return tokens, logits[None]
 
     def hand_over(self) -> list:
         """The target's cache, to be merged into a batch (after ``settle``)."""
@@ -187,12 +192,13 @@ class SpeculativeDecoder(Decoder):
     """Draft, verify in one forward pass, keep the accepted prefix plus one target token, rewind.
 
     A round of depth 0 is ``PlainDecoder``'s step: the pass after its token is
-    queued from the device's token before the host reads it. A round that
-    wanted to draft but got no proposal (the n-gram lookup found nothing) is a
-    plain round too, but it has read its token first (the lookup needed it),
-    so its next pass is queued after the read. Either way the next round
-    starts by reading the queued token (``_queued``) - then drafts on top of
-    it, or queues the next one.
+    queued from the device's token before the host reads it; so is every round
+    while the drafter is not ready (``Drafter.ready``: for the n-gram lookup,
+    the context's end never occurred before). A round that wanted to draft but
+    got no proposal is a plain round too, but it has read its token first (the
+    lookup needed it), so its next pass is queued after the read. Either way
+    the next round starts by reading the queued token (``_queued``) - then
+    drafts on top of it, or queues the next one.
     """
 
     def __init__(self, model, prompt_ids, params, key, drafter, depth: DepthController | FixedDepth,
@@ -242,10 +248,8 @@ class SpeculativeDecoder(Decoder):
         else:
             head, rows = [], []
             if self._queued is not None:  # the token a plain round queued
-                token, logits = self._queued
-                self._queued = None
-                head, rows = [token.item()], [logits[None]]
-                self._take(head)
+                head, row = self._read_queued()
+                rows = [row]
                 budget -= 1
             k = min(wanted, budget - 1)
             step = self._round(budget, k, head, rows) if budget > 0 else Step(head, 0, 0, rows[0])
