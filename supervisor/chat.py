@@ -9,7 +9,10 @@ conversation) without leaving; ``/clear`` starts the conversation again.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
 
 import grpc
 
@@ -18,6 +21,27 @@ from .protocol import supervisor_pb2
 
 PROMPT = ">>> "
 HELP = "commands: /bye (or Ctrl-D) leaves, /clear forgets the conversation; Ctrl-C stops an answer"
+
+
+@contextlib.contextmanager
+def ctrl_c_cancels(call):
+    """While the answer streams, Ctrl-C cancels ``call`` (its iteration then ends with CANCELLED) and sets the
+    event this yields. A handler rather than KeyboardInterrupt: the exception can land anywhere, a finaliser
+    or a callback included, where it is swallowed and the answer goes on."""
+    stopped = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stopped
+        return
+
+    def on_ctrl_c(signum, frame):
+        stopped.set()
+        threading.Thread(target=call.cancel, daemon=True).start()  # not from inside whatever was interrupted
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield stopped
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def stats_line(stats) -> str:
@@ -57,17 +81,17 @@ class Chat:
         call = self.client.stub.Generate(self.request(), metadata=self.client.metadata)
         answer, last = [], None
         try:
-            for last in call:
-                answer.append(last.text)
-                self.out.write(last.text)
-                self.out.flush()
-        except KeyboardInterrupt:
-            call.cancel()
-            self.out.write("\n[stopped]\n")
+            with ctrl_c_cancels(call) as stopped:
+                for last in call:
+                    answer.append(last.text)
+                    self.out.write(last.text)
+                    self.out.flush()
         except grpc.RpcError as error:
-            self.messages.pop()
-            self.out.write(f"\n[error: {error.code().name}: {error.details()}]\n")
-            return
+            if not stopped.is_set():
+                self.messages.pop()
+                self.out.write(f"\n[error: {error.code().name}: {error.details()}]\n")
+                return
+            self.out.write("\n[stopped]\n")
         else:
             self.out.write("\n" + (stats_line(last.stats) if last is not None and last.HasField("stats") else "") + "\n")
         self.messages.append(("assistant", "".join(answer)))
