@@ -264,7 +264,8 @@ class SpeculativeDecoder(Decoder):
     def _round(self, budget: int, k: int, head: list[int], rows: list) -> Step:
         """Draft up to ``k`` tokens on top of ``head`` (a token a plain round queued, now read) and verify
         them; with nothing to verify, a plain round."""
-        draft_key, verify_key = self._keys(2)
+        # A greedy request draws no keys: never evaluated, they would grow a chain of lazy splits every round.
+        draft_key, verify_key = (None, None) if self.params.greedy else self._keys(2)
         proposal = self.drafter.propose(self.tokens, k, self.params, draft_key) if k > 0 else None
         if proposal is not None and proposal.size > k:
             proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])

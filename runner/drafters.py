@@ -49,7 +49,7 @@ class Drafter(Protocol):
 
     def propose(self, context: list[int], k: int, params: SamplingParams, key) -> Proposal | None:
         """Up to ``k`` tokens to follow ``context`` (the prompt and every token chosen so far; its last
-        token, the pending one, is in no cache yet)."""
+        token, the pending one, is in no cache yet). ``key`` is None for a greedy request."""
 
     def accepted(self, proposal: Proposal, accepted: int) -> None:
         """The target kept the first ``accepted`` tokens of ``proposal``."""
@@ -88,7 +88,7 @@ class ModelDrafter:
         self._fed = list(inputs)
         tokens, probs = [], []
         step_input = mx.array(inputs)
-        for step_key in mx.random.split(key, k):
+        for step_key in mx.random.split(key, k) if key is not None else [None] * k:
             logits = self.model(step_input[None], cache=self.cache)[0, -1]
             if params.greedy:
                 token = mx.argmax(logits, axis=-1)
