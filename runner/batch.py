@@ -40,6 +40,48 @@ def merge(caches: list[list]) -> list:
     return [type(layers[0]).merge(list(layers)) for layers in zip(*caches)]
 
 
+def prefill_rows(model, caches: list[list], suffixes: list[list[int]]) -> None:
+    """Run ``suffixes[i]`` through ``model`` on top of ``caches[i]`` for every row, in one batched forward pass,
+    and put each row's cache back in its list (the lists are changed in place; their layers are new).
+
+    mlx-lm's batched prefill: the caches are merged (left padded to the longest), the suffixes right padded to
+    the longest (``BatchKVCache.prepare``) - the causal mask keeps every real token from seeing the padding
+    after it - and ``finalize`` rolls that padding to the left, where the mask hides it from then on. Each row's
+    cache is then extracted: exactly its own tokens, at the positions it would have alone."""
+    batched = merge(caches)
+    lengths = [len(s) for s in suffixes]
+    width = max(lengths)
+    padding = [width - n for n in lengths]
+    for layer in batched:
+        layer.prepare(lengths=lengths, right_padding=padding)
+    model(mx.array([list(s) + [0] * p for s, p in zip(suffixes, padding)], dtype=mx.uint32), cache=batched)
+    for layer in batched:
+        layer.finalize()
+    mx.eval([layer.state for layer in batched])
+    for i, cache in enumerate(caches):
+        cache[:] = [layer.extract(i) for layer in batched]
+    mx.eval([layer.state for cache in caches for layer in cache])
+
+
+def prefill_jointly(sessions: list) -> None:
+    """The rest of several sessions' prompts (``Decoder.prefill_parts``: short, plain KV caches), one batched
+    forward pass per model (the target's, and the draft's for the requests that draft with it)."""
+    by_model: dict[int, tuple] = {}
+    sizes = []
+    for session in sessions:
+        parts = session.decoder.prefill_parts()
+        sizes.append(max(len(tokens) for _, _, tokens, _ in parts))
+        for model, cache, tokens, done in parts:
+            by_model.setdefault(id(model), (model, []))[1].append((cache, tokens, done))
+    for model, parts in by_model.values():
+        prefill_rows(model, [cache for cache, _, _ in parts], [tokens for _, tokens, _ in parts])
+        for _, _, done in parts:
+            done()
+    mx.clear_cache()
+    for session, size in zip(sessions, sizes):
+        session.prefilled_jointly(size)
+
+
 def capacity(cache: list) -> tuple:
     """What identifies the buffers of a batched cache: their shapes (a growth or a copy changes them)."""
     shapes = []

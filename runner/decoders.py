@@ -71,6 +71,13 @@ class Decoder:
     def _advance_target(self, held: int) -> None:
         self.held = held
 
+    def prefill_parts(self) -> list[tuple]:
+        """What each model still lacks of the prompt (all but its last token), for a prefill shared with other
+        requests (``runner.batch.prefill_jointly``): (model, cache, tokens, done), ``done()`` once they are in."""
+        context = self.prompt_ids[:-1]
+        return [(model, cache, context[held:], lambda advance=advance: advance(len(context)))
+                for model, cache, held, advance in self._prefill_models() if held < len(context)]
+
     def prefill_step(self, planner: PrefillPlanner, sizes: list | None = None) -> bool:
         """Run one planned chunk of the prompt (all but its last token) through the models, each from
         where its cache already is; True once the whole prompt is in."""

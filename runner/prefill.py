@@ -11,6 +11,18 @@ Two limits, whichever is smaller:
   short probe; its speed, scaled for the longer context of the next chunk,
   sizes the rest to take about ``seconds`` each.
 
+Short prompts that wait at the same time share a forward pass
+(``joint_groups``; the pass itself is ``runner.batch.prefill_jointly``): a
+pass over one row of a few tokens streams every weight for little arithmetic.
+Measured on SmolLM2 in float32 here (2026-12-03), 16 prompts of 15 tokens took
+2.4 s one by one (152 ms each) and 1.24 s in one pass, which is most of a
+16-client burst's time to first token. A prompt joins only when what it lacks
+fits in a first chunk (``PROBE_CHUNK``), so a long one still goes chunk by
+chunk; a shared pass takes at most ``JOINT_TOKENS`` tokens, padding included
+(rows x the longest remainder; measured: 4 x 15 tokens 358 ms, 8 x 15 602 ms,
+16 x 15 1241 ms - past ~60 rows the pass costs its tokens), and its attention
+scores stay under ``score_bytes``.
+
 A forward pass over n tokens at context offset o costs about
 n * r * (o + n/2 + c0): a fixed part per token (c0, in tokens of context) and
 attention over the context, which grows with it. r is re-measured after every
@@ -24,6 +36,7 @@ import math
 from .defaults import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES, DEFAULT_STALL_AFTER, MIN_PREFILL_CHUNK
 
 PROBE_CHUNK = 128
+JOINT_TOKENS = 2 * PROBE_CHUNK  # the most tokens (rows x width) one shared prefill pass takes
 FIXED_COST_TOKENS = 512  # c0: a token's fixed cost expressed as attention over this many tokens of context
 
 
@@ -65,3 +78,35 @@ class PrefillPlanner:
         work = size * (offset + size / 2 + FIXED_COST_TOKENS)
         if work > 0 and seconds > 0:
             self.rate = seconds / work
+
+
+def joint_groups(rows: list[tuple[int, int]], planner: PrefillPlanner, max_tokens: int = JOINT_TOKENS) -> list[list[int]]:
+    """Which waiting prompts share a prefill pass. ``rows``: (tokens already cached, tokens still to prefill) of
+    each, in arrival order; returns groups of their indices, in order, every one in exactly one group (a group
+    of one prefills alone).
+
+    A shared pass pads every row to the longest remainder (its width) and every cache to the longest one, so a
+    group costs rows x width tokens (at most ``max_tokens``) and rows x heads x width x (longest cache + width)
+    float32 attention scores (at most the planner's ``score_bytes``). Only a remainder of at most a first chunk
+    joins; a longer one prefills alone, chunk by chunk."""
+
+    def fits(group: list[int]) -> bool:
+        width = max(rows[i][1] for i in group)
+        context = max(rows[i][0] for i in group) + width
+        if len(group) * width > max_tokens:
+            return False
+        return planner.score_bytes is None or len(group) * planner.heads * width * context * 4 <= planner.score_bytes
+
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i, (_, remaining) in enumerate(rows):
+        if remaining > planner.first_chunk or not fits([i]):
+            groups.append([i])
+        elif fits(current + [i]):
+            current.append(i)
+        else:
+            groups.append(current)
+            current = [i]
+    if current:
+        groups.append(current)
+    return groups

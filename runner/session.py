@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from .decoders import SpeculativeDecoder
 from .prompt_cache import Hit
@@ -55,6 +56,23 @@ class Session:
             if self.prefilled:
                 self.stats.prefill_seconds = time.perf_counter() - self.start
         return self.prefilled
+
+    def joint_prefill(self) -> tuple[int, int] | None:
+        """(tokens cached, tokens to prefill) when what its prompt still lacks may share a batched pass with
+        other requests' (``runner.prefill.joint_groups``): every cache of plain KV layers; else None."""
+        if self.prefilled:
+            return None
+        parts = self.decoder.prefill_parts()
+        if not parts or not all(type(layer) is KVCache for _, cache, _, _ in parts for layer in cache):
+            return None
+        remaining = max(len(tokens) for _, _, tokens, _ in parts)
+        return len(self.prepared.prompt_ids) - 1 - remaining, remaining
+
+    def prefilled_jointly(self, size: int) -> None:
+        """``runner.batch.prefill_jointly`` put the last ``size`` tokens of its prompt in."""
+        self.stats.prefill_chunks.append(size)
+        self.prefilled = True
+        self.stats.prefill_seconds = time.perf_counter() - self.start
 
     # -- rounds -------------------------------------------------------------------------------------
 

@@ -6,7 +6,9 @@ requests active, each a ``Session`` (``runner.session``), and loops:
 
 - control tasks (a pool release, Info), at every turn: never behind a long generation;
 - newcomers are admitted while there is room, and their prompts are prefilled
-  one chunk per turn each, between the decode steps of the others;
+  one chunk per turn each, between the decode steps of the others; short ones
+  that wait at the same time share a forward pass (``runner.prefill.joint_groups``,
+  ``runner.batch.prefill_jointly``);
 - decoding: a request alone keeps its own decoder - speculative decoding with
   the adaptive depth, or pipelined plain decoding; two or more decode together
   in a ``Batch`` (``runner.batch``), one batched forward pass per step. A
@@ -25,9 +27,10 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from .batch import Batch
+from .batch import Batch, prefill_jointly
 from .engine import Engine, Round
 from .errors import EngineError, QueueFull, WorkerStopped
+from .prefill import joint_groups
 from .request import PreparedRequest
 from .session import Session
 
@@ -67,10 +70,12 @@ class MlxWorker:
         self._controls: collections.deque[tuple[callable, Future]] = collections.deque()
         self._active: list[GenerationJob] = []  # admitted: prefilling or decoding
         self._batch = Batch(engine.target.model, engine.release_memory, engine.settings.release_enabled)
+        self._planner = engine.prefill_planner()  # its limits size the prefill passes requests share
         self._stopping = False
         self.heartbeat = time.monotonic()  # last sign of life of the MLX thread
         self._thread = threading.Thread(target=self._run, name="mlx", daemon=True)
         self.batched_steps = 0
+        self.joint_prefills = 0  # prefill passes requests shared
 
     def start(self) -> None:
         self._thread.start()
@@ -192,14 +197,7 @@ class MlxWorker:
         for job in [j for j in self._active if j.cancelled.is_set()]:
             job.session.cancel()
             self._end(job, None)
-        prefilling = [j for j in self._active if not j.session.prefilled]
-        for job in prefilling:
-            try:
-                job.session.prefill_chunk()
-            except EngineError as error:
-                self._fail(job, error)
-            self.heartbeat = time.monotonic()
-            self._run_controls()
+        self._prefill([j for j in self._active if not j.session.prefilled])
         decoding = [j for j in self._active if j.session.prefilled and not j.session.done]
         if not decoding:
             return
@@ -211,6 +209,33 @@ class MlxWorker:
         else:
             self._batched(decoding)
         self.heartbeat = time.monotonic()
+
+    def _prefill(self, prefilling: list[GenerationJob]) -> None:
+        """A prefill chunk for each request still prefilling; short prompts that wait together share a pass
+        (``runner.prefill.joint_groups``)."""
+        needs = [(job, job.session.joint_prefill()) for job in prefilling]
+        joint = [(job, need) for job, need in needs if need is not None]
+        groups = joint_groups([need for _, need in joint], self._planner) if len(joint) > 1 else []
+        shared = [[joint[i][0] for i in group] for group in groups if len(group) > 1]
+        together = {id(job) for group in shared for job in group}
+        for group in shared:
+            try:
+                prefill_jointly([job.session for job in group])
+                self.joint_prefills += 1
+            except EngineError as error:
+                for job in group:
+                    self._fail(job, error)
+            self.heartbeat = time.monotonic()
+            self._run_controls()
+        for job in prefilling:
+            if id(job) in together:
+                continue
+            try:
+                job.session.prefill_chunk()
+            except EngineError as error:
+                self._fail(job, error)
+            self.heartbeat = time.monotonic()
+            self._run_controls()
 
     def _solo(self, job: GenerationJob) -> None:
         session = job.session

@@ -16,6 +16,7 @@ import pytest
 
 from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from runner.engine import CACHE_LIMIT_UNBOUNDED, Engine, EngineSettings
+from runner.prefill import PrefillPlanner, joint_groups
 from runner.request import GenerationRequest
 from runner.worker import MlxWorker
 from tests.helpers import collect
@@ -153,6 +154,44 @@ def test_a_request_ended_in_a_batch_feeds_the_prompt_cache_exactly():
         assert warm[2].stats.cached_tokens >= len(prompt) + len(first) - 1
         cold = alone(engine, prompt_ids=follow_up, max_tokens=60, drafter="none")
         assert cold[2].stats.cached_tokens == 0 and warm[0] == cold[0]
+    finally:
+        worker.stop(cancel_running=True)
+        worker.join(10)
+
+
+def test_joint_groups_share_passes_within_their_limits():
+    planner = PrefillPlanner(heads=9)  # first chunk 128 tokens, scores up to 64 MB
+    assert joint_groups([(40, 15)] * 16, planner) == [list(range(16))]  # 240 tokens: one pass
+    assert joint_groups([(0, 100)] * 3, planner) == [[0, 1], [2]]  # 300 tokens would pass 256
+    assert joint_groups([(0, 10), (0, 200), (0, 10)], planner) == [[1], [0, 2]]  # 200 > a first chunk: alone
+    # 9 heads x 100 x (100,000 + 100) x 4 bytes of scores is past 64 MB even for one row; two short rows next
+    # to a long cache would pay for its length: they share a pass of their own.
+    assert joint_groups([(100_000, 100), (10, 10), (10, 10)], planner) == [[0], [1, 2]]
+    assert joint_groups([(1000, 50), (1000, 50), (30_000, 10)], planner) == [[0, 1], [2]]
+
+
+def test_short_prompts_that_wait_together_share_a_prefill_pass():
+    """Requests admitted at the same turn - some continuing a cached conversation, so their caches differ in
+    length - are prefilled in one batched pass (right padded, rolled left, then each row extracted), and each
+    decodes exactly as it would alone."""
+    engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=64 * 2**20))
+    worker = MlxWorker(engine, max_queue=8, max_batch=8)
+    worker.start()
+    try:
+        first = results(submit(worker, engine, prompt=PROMPTS[0], max_tokens=30, cache_prompt=True))
+        turn = PROMPTS[0] + first[1]
+        prompts = [turn + " The break statement", turn + " Note that a for loop ends when the sequence is exhausted",
+                   PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+        expected = [alone(engine, prompt=p, max_tokens=40, drafter="none")[0] for p in prompts]
+        hold, joint = threading.Event(), worker.joint_prefills
+        worker.call(hold.wait)  # the MLX thread waits while every request is queued: one turn admits them all
+        jobs = [submit(worker, engine, prompt=p, max_tokens=40, cache_prompt=True) for p in prompts]
+        hold.set()
+        got = [results(job) for job in jobs]
+        assert worker.joint_prefills == joint + 1
+        assert got[0][2].stats.cached_tokens > 30 and got[1][2].stats.cached_tokens > 30
+        assert [g[2].stats.cached_tokens for g in got[2:]] == [0, 0, 0]
+        assert [g[0] for g in got] == expected
     finally:
         worker.stop(cancel_running=True)
         worker.join(10)
