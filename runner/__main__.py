@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-context", type=int, default=None, help="lower the model's context length to this")
     p.add_argument("--prompt-cache", type=int, default=None,
                    help="bytes the prompt cache may hold (0 = off; default: an eighth of memory, at most 4 GiB)")
+    p.add_argument("--batch-memory", type=int, default=None,
+                   help="bytes the batched requests' caches may take, projected to their ends; a request that "
+                        "would pass it waits (runner/batch_memory.py; default: no limit)")
     p.add_argument("--no-malloc-trim", action="store_true",
                    help="do not give freed heap memory back to the system after pool releases")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
@@ -95,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-context must be at least 2")
     if args.prompt_cache is not None and args.prompt_cache < 0:
         p.error("--prompt-cache must be >= 0")
+    if args.batch_memory is not None and args.batch_memory <= 0:
+        p.error("--batch-memory must be positive")
     if args.stall_after <= 0:
         p.error("--stall-after must be positive")
     return args
@@ -177,7 +182,7 @@ def main(argv=None) -> int:
         dtype=args.dtype, max_context=args.max_context, prefill_seconds=args.stall_after / 4,
         prompt_cache_bytes=args.prompt_cache, malloc_trim=not args.no_malloc_trim,
         max_draft_tokens=args.max_draft_tokens, drafter=args.drafter or "", ngram_max=args.ngram_max,
-        ngram_min=args.ngram_min,
+        ngram_min=args.ngram_min, batch_memory=args.batch_memory,
     )
     started = time.perf_counter()
     try:

@@ -32,6 +32,7 @@ from .defaults import (DEFAULT_DTYPE, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NGRAM_MA
 from .depth import DepthController, FixedDepth
 from .drafters import DRAFTERS, ModelDrafter, NgramDrafter
 from .errors import InvalidRequest, TokenizerMismatch
+from .batch_memory import CacheCost
 from .footprint import ModelFootprint, default_prompt_cache_bytes, expected_device, resolve_dtype
 from .loading import LoadedModel, load_model
 from .malloc import malloc_trim
@@ -65,6 +66,7 @@ class EngineSettings:
     prefill_score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES  # CPU attention's transient score matrix, at most
     prompt_cache_bytes: int | None = None  # the prompt cache's budget; None = default_prompt_cache_bytes(), 0 = off
     malloc_trim: bool = True  # give freed heap back to the system after each pool release (glibc)
+    batch_memory: int | None = None  # bytes the batched caches may take (runner.batch_memory); None = no limit
 
 
 @dataclass
@@ -205,6 +207,7 @@ class Engine:
         self.total_releases = 0
         budget = settings.prompt_cache_bytes
         self.prompt_cache = PromptCache(default_prompt_cache_bytes() if budget is None else budget)
+        self.cache_cost = CacheCost.measure(target.model)  # what a request's cache costs, per token and per row
         self.drafters = self._available_drafters()
         self.default_drafter = self._default_drafter()
         # Learned per runner and drafter: acceptance by position and round time by depth.

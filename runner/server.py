@@ -148,7 +148,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             num_draft_tokens=engine.default_num_draft_tokens,
             release_interval=engine.settings.release_interval, release_enabled=engine.settings.release_enabled,
             cache_limit=engine.cache_limit, version=__version__, pid=os.getpid(), max_queue=self.worker.max_queue,
-            max_batch=self.worker.max_batch,
+            max_batch=self.worker.max_batch, batch_memory=self.worker.memory.budget or 0,
             speculative=engine.speculative, decoding=engine.speculative_note, dtype_reason=engine.dtype_reason,
             runtime_rss=self.runtime_rss, prompt_cache_budget=engine.prompt_cache.budget,
             drafter=engine.default_drafter, adaptive_depth=engine.speculative and engine.settings.num_draft_tokens is None,

@@ -5,7 +5,8 @@ wait) and control tasks (``call``). The thread keeps up to ``max_batch``
 requests active, each a ``Session`` (``runner.session``), and loops:
 
 - control tasks (a pool release, Info), at every turn: never behind a long generation;
-- newcomers are admitted while there is room, and their prompts are prefilled
+- newcomers are admitted while there is room - a place in the batch, and memory
+  for their caches next to the others' (``runner.batch_memory``) - and their prompts are prefilled
   one chunk per turn each, between the decode steps of the others; short ones
   that wait at the same time share a forward pass (``runner.prefill.joint_groups``,
   ``runner.batch.prefill_jointly``);
@@ -28,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .batch import Batch, prefill_jointly
+from .batch_memory import BatchMemory
 from .engine import Engine, Round
 from .errors import EngineError, QueueFull, WorkerStopped
 from .prefill import joint_groups
@@ -71,6 +73,7 @@ class MlxWorker:
         self._active: list[GenerationJob] = []  # admitted: prefilling or decoding
         self._batch = Batch(engine.target.model, engine.release_memory, engine.settings.release_enabled)
         self._planner = engine.prefill_planner()  # its limits size the prefill passes requests share
+        self.memory = BatchMemory(engine.cache_cost, engine.settings.batch_memory)
         self._stopping = False
         self.heartbeat = time.monotonic()  # last sign of life of the MLX thread
         self._thread = threading.Thread(target=self._run, name="mlx", daemon=True)
@@ -151,7 +154,7 @@ class MlxWorker:
                 if self._stopping and not (self._jobs or self._controls or self._active):
                     return
                 admitted = []
-                while self._jobs and len(self._active) + len(admitted) < self.max_batch:
+                while self._room_for_next(admitted):
                     admitted.append(self._jobs.popleft())
             self._run_controls()
             try:
@@ -164,6 +167,15 @@ class MlxWorker:
                     self._fail(job, error)
                 self._on_fatal(error)
                 return
+
+    def _room_for_next(self, admitted: list | None = None) -> bool:
+        """Whether the next waiting job may start now: a place in the batch, and room for its cache next to
+        the active ones' (``runner.batch_memory``). Under the lock."""
+        if not self._jobs:
+            return False
+        active = self._active + (admitted or [])
+        return len(active) < self.max_batch and self.memory.admits([j.request for j in active],
+                                                                    self._jobs[0].request)
 
     def _run_controls(self) -> None:
         while True:
@@ -202,8 +214,9 @@ class MlxWorker:
         if not decoding:
             return
         # Company is coming when someone is prefilling, or waiting with room to be admitted.
-        waiting = (bool(self._jobs) and len(self._active) < self.max_batch) or any(
-            not j.session.prefilled for j in self._active)
+        with self._lock:
+            waiting = self._room_for_next()
+        waiting = waiting or any(not j.session.prefilled for j in self._active)
         if len(decoding) == 1 and not waiting:
             self._solo(decoding[0])
         else:

@@ -27,6 +27,7 @@
     max_queue = 512                   # requests that may wait for a place in the batch; the next gets RESOURCE_EXHAUSTED
     stall_after = "30s"               # no progress of the MLX thread this long = hung
     prompt_cache = "1GiB"             # KV caches kept for prefix reuse; 0 = off; default: see supervisor/memory.py
+    batch_memory = "2GiB"             # batched requests' caches, projected to their ends; default: see supervisor/memory.py
 
 Every problem is reported as one ConfigError naming the key.
 """
@@ -80,6 +81,7 @@ class ModelConfig:
     dtype: str = DEFAULT_DTYPE
     max_context: int = 0  # 0 = the model's own context length
     prompt_cache: int | None = None  # bytes; None = derived (supervisor.memory.prompt_cache_budget); 0 = off
+    batch_memory: int | None = None  # bytes; None = derived (supervisor.memory.batch_memory_budget)
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,9 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
     if max_context < 0 or max_context == 1:
         raise ConfigError(f"{p}max_context", "must be at least 2 (0 = the model's own)")
     prompt_cache = parse_size(f"{p}prompt_cache", table.pop("prompt_cache")) if "prompt_cache" in table else None
+    batch_memory = parse_size(f"{p}batch_memory", table.pop("batch_memory")) if "batch_memory" in table else None
+    if batch_memory is not None and batch_memory <= 0:
+        raise ConfigError(f"{p}batch_memory", "must be positive")
     stall_after = parse_duration(f"{p}stall_after", table.pop("stall_after", DEFAULT_STALL_AFTER))
     if stall_after <= 0:
         raise ConfigError(f"{p}stall_after", "must be positive")
@@ -233,6 +238,7 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
         release_enabled=_take(table, "release_enabled", p, bool, True),
         debug_rpcs=_take(table, "debug_rpcs", p, bool, False),
         stall_after=stall_after, dtype=dtype, max_context=max_context, prompt_cache=prompt_cache,
+        batch_memory=batch_memory,
     )
     if table:
         raise ConfigError(f"{p}{sorted(table)[0]}", "unknown key")

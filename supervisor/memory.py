@@ -153,6 +153,27 @@ def prompt_cache_budget(model: ModelConfig, needed: Estimate | None) -> int:
     return budget
 
 
+def batch_memory_budget(model: ModelConfig, needed: Estimate | None, prompt_cache: int,
+                        available: int | None = None) -> int | None:
+    """Bytes the runner's batched requests' caches may take, projected to their ends (``runner.batch_memory``).
+
+    Set in the config: that. Otherwise the KV cache the estimate already counts (one request over the whole
+    context) plus the room above the estimate: up to the model's soft limit (else half the way to its hard
+    limit) when it has one - the prompt cache is emptied first there, so it does not count - or else what
+    the machine has available at load, less the prompt cache's budget. None (no estimate): no limit.
+    """
+    if model.batch_memory is not None:
+        return model.batch_memory
+    if needed is None:
+        return None
+    if model.soft_limit or model.hard_limit:
+        room = (model.soft_limit or needed.total + (model.hard_limit - needed.total) // 2) - needed.total
+    else:
+        available = psutil.virtual_memory().available if available is None else available
+        room = available - needed.total - prompt_cache
+    return needed.kv_cache + max(0, room)
+
+
 SERVING_OVERHEAD = 60 * 2**20  # gRPC's threads, the tokenizer and first allocations, on top of the bare runtime
 
 

@@ -74,6 +74,7 @@ class ManagedRunner:
         self.client: RunnerClient | None = None
         self.info = None  # the serving runner's InfoResponse
         self.prompt_cache_budget: int | None = None  # set by the scheduler before each start
+        self.batch_memory_budget: int | None = None  # likewise
         self.restarts = 0
         self.failures = 0  # consecutive, reset after a stable period
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
@@ -250,6 +251,8 @@ class ManagedRunner:
             args += ["--max-context", str(m.max_context)]
         if self.prompt_cache_budget is not None:
             args += ["--prompt-cache", str(self.prompt_cache_budget)]
+        if self.batch_memory_budget is not None:
+            args += ["--batch-memory", str(max(1, self.batch_memory_budget))]
         if m.draft is not None:
             args += ["--draft", str(m.draft)]
         if m.drafter:

@@ -18,7 +18,7 @@ import grpc
 from runner.status import ServiceError
 
 from .config import SupervisorConfig
-from .memory import AdmissionRefused, Estimates, admit, prompt_cache_budget
+from .memory import AdmissionRefused, Estimates, admit, batch_memory_budget, prompt_cache_budget
 from .runners import ManagedRunner, State
 
 log = logging.getLogger("supervisor")
@@ -62,6 +62,7 @@ class Scheduler:
                 except AdmissionRefused as error:
                     raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
                 runner.prompt_cache_budget = prompt_cache_budget(runner.model, needed)
+                runner.batch_memory_budget = batch_memory_budget(runner.model, needed, runner.prompt_cache_budget)
                 runner.start()
         if wait:
             # No deadline (gRPC says ~2**63 s): as long as a runner may take to start.

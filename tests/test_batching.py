@@ -197,6 +197,38 @@ def test_short_prompts_that_wait_together_share_a_prefill_pass():
         worker.join(10)
 
 
+def test_requests_wait_while_their_caches_would_not_fit_next_to_the_others(batch_engine):
+    """A batch-memory budget of two rows' projected caches: of four requests, two decode at a time, the others
+    wait in the queue (not refused), and every one gives the tokens it gives alone."""
+    cost = batch_engine.cache_cost
+    engine = Engine(batch_engine.target, batch_engine.draft, EngineSettings(
+        prompt_cache_bytes=0, batch_memory=cost.batch([256, 256])))
+    worker = MlxWorker(engine, max_queue=8, max_batch=8)
+    worker.start()
+    most, done = 0, threading.Event()
+
+    def watch():
+        nonlocal most
+        while not done.is_set():
+            most = max(most, worker.active)
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        expected = [alone(batch_engine, prompt=p, max_tokens=60, drafter="none")[0] for p in PROMPTS[:4]]
+        jobs = [submit(worker, engine, prompt=p, max_tokens=60) for p in PROMPTS[:4]]  # each fits in 256 positions
+        got = [results(job) for job in jobs]
+        done.set()
+        watcher.join()
+        assert most == 2 and worker.batched_steps > 60
+        assert [g[0] for g in got] == expected
+    finally:
+        done.set()
+        worker.stop(cancel_running=True)
+        worker.join(10)
+
+
 def test_the_pool_stays_bounded_over_a_long_batched_generation(restore_cache_limit):
     """Pool cap raised to the memory limit: without releases at the batch's growth steps, the pool keeps
     every buffer the batched cache outgrew (four rows of 1200 tokens: four growths of 256 positions)."""

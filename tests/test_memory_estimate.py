@@ -6,8 +6,12 @@ import threading
 
 import pytest
 
-from runner.defaults import SMOLLM2_DIR
-from runner.footprint import ModelFootprint, estimate
+from runner.batch_memory import BatchMemory, CacheCost
+from runner.defaults import DEFAULT_TARGET, SMOLLM2_DIR
+from runner.footprint import Estimate, ModelFootprint, estimate
+from runner.loading import load_model
+from supervisor.config import ModelConfig
+from supervisor.memory import batch_memory_budget
 from tests.processes import SupervisorProcess, model_toml
 
 TOLERANCE = 0.25
@@ -61,3 +65,40 @@ def test_the_estimate_counts_the_form_the_weights_take():
     # layers x KV heads x head dim x (K and V) x 4 bytes x tokens
     assert dequantized.kv_cache == 30 * 3 * 64 * 2 * 4 * 1024
     assert estimate([smol], "float32", "gpu", context=1024).prefill == 0  # fused attention: no score matrix
+
+
+@pytest.mark.parametrize("folder, dtype", [(DEFAULT_TARGET, "checkpoint"), (SMOLLM2_DIR, "float32")])
+def test_a_cache_costs_what_the_footprint_says(folder, dtype):
+    """The runner measures a request's cache on the loaded model; the supervisor's estimate reads the folder.
+    They agree, per 256 positions."""
+    cost = CacheCost.measure(load_model(folder, dtype).model)
+    assert cost.per_row == 0 and cost.per_token * 256 == ModelFootprint.of(folder).kv_bytes(dtype, 256)
+
+
+def test_batch_memory_admits_while_the_projected_batch_fits():
+    class Prepared:  # what BatchMemory reads of a runner.request.PreparedRequest
+        def __init__(self, prompt: int, max_tokens: int):
+            self.prompt_ids, self.max_tokens = [0] * prompt, max_tokens
+
+    cost = CacheCost(per_token=1000, per_row=0)
+    assert cost.batch([300, 100]) == 2 * 512 * 1000  # every row as long as the longest, in 256-token steps
+    memory = BatchMemory(cost, budget=3 * 512 * 1000)
+    short, long = Prepared(100, 200), Prepared(100, 4000)
+    assert memory.admits([short, short], short)  # three rows of 512 positions
+    assert not memory.admits([short, short, short], short)
+    assert memory.admits([], long)  # alone, always (the model was admitted for a whole context)
+    assert not memory.admits([short], long)  # two rows of 4352 positions
+    assert BatchMemory(cost, None).admits([long] * 15, long)
+
+
+def test_the_batch_budget_is_the_room_above_the_estimate():
+    needed = Estimate(weights=500, kv_cache=100, prefill=50, runtime=350)  # total 1000
+    model = ModelConfig(name="m", target=DEFAULT_TARGET)
+    assert batch_memory_budget(model, needed, prompt_cache=200, available=5000) == 100 + 5000 - 1000 - 200
+    assert batch_memory_budget(model, needed, prompt_cache=200, available=900) == 100  # one request, as admitted
+    limited = ModelConfig(name="m", target=DEFAULT_TARGET, soft_limit=1600)
+    assert batch_memory_budget(limited, needed, prompt_cache=600, available=5000) == 100 + 600
+    hard = ModelConfig(name="m", target=DEFAULT_TARGET, hard_limit=3000)
+    assert batch_memory_budget(hard, needed, prompt_cache=0, available=5000) == 100 + 1000
+    assert batch_memory_budget(ModelConfig(name="m", target=DEFAULT_TARGET, batch_memory=12345), needed, 0) == 12345
+    assert batch_memory_budget(model, None, 0) is None
