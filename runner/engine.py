@@ -25,6 +25,7 @@ from typing import Iterator
 import mlx.core as mx
 import psutil
 
+from .batch_memory import CacheCost
 from .decoders import Decoder, PlainDecoder, SpeculativeDecoder
 from .defaults import (DEFAULT_DTYPE, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
                        DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES,
@@ -32,7 +33,6 @@ from .defaults import (DEFAULT_DTYPE, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NGRAM_MA
 from .depth import DepthController, FixedDepth
 from .drafters import DRAFTERS, ModelDrafter, NgramDrafter
 from .errors import InvalidRequest, TokenizerMismatch
-from .batch_memory import CacheCost
 from .footprint import ModelFootprint, default_prompt_cache_bytes, expected_device, resolve_dtype
 from .loading import LoadedModel, load_model
 from .malloc import malloc_trim

@@ -20,7 +20,8 @@ PROMPT = "The for statement is used to iterate over the elements of a sequence"
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    process = RunnerProcess(tmp_path_factory.mktemp("run") / "sockets", "--max-queue", "2", "--max-batch", "2")
+    process = RunnerProcess(tmp_path_factory.mktemp("run") / "sockets", "--max-queue", "2", "--max-batch", "2",
+                            "--batch-memory", str(256 * 2**20))  # room for both rows of every test here
     seen = []
     deadline = time.monotonic() + 60
     # The server listens before the models load. Wait for its socket file, then ask on fresh
@@ -80,6 +81,7 @@ def test_info_describes_the_pair(runner):
     assert 13e6 < info.target.parameters < 15e6 and 0.5e6 < info.draft.parameters < 1.5e6
     assert info.target.context_length >= 8192 and info.release_interval == 256
     assert info.pid == runner.process.pid and info.device == "cpu" and info.num_draft_tokens > 0
+    assert info.max_batch == 2 and info.batch_memory == 256 * 2**20
 
 
 @pytest.mark.parametrize("fields, field_name", [
