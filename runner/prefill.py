@@ -21,7 +21,11 @@ fits in a first chunk (``PROBE_CHUNK``), so a long one still goes chunk by
 chunk; a shared pass takes at most ``JOINT_TOKENS`` tokens, padding included
 (rows x the longest remainder; measured: 4 x 15 tokens 358 ms, 8 x 15 602 ms,
 16 x 15 1241 ms - past ~60 rows the pass costs its tokens), and its attention
-scores stay under ``score_bytes``.
+scores stay under ``score_bytes``. A shared pass copies every row's cache twice
+(merged into one batch, extracted again), so a row joins only while its cache
+stays within ``JOINT_CONTEXT`` tokens: the copies of 16 SmolLM2 rows cost
+4.7 ms a row at 64 cached tokens, 14 at 256, 27 at 512 and 189 at 1000
+(2026-12-04), against ~75 ms a row the shared pass saves.
 
 A forward pass over n tokens at context offset o costs about
 n * r * (o + n/2 + c0): a fixed part per token (c0, in tokens of context) and
@@ -37,6 +41,7 @@ from .defaults import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES, DEFAUL
 
 PROBE_CHUNK = 128
 JOINT_TOKENS = 2 * PROBE_CHUNK  # the most tokens (rows x width) one shared prefill pass takes
+JOINT_CONTEXT = 512  # the longest cache (cached tokens + remainder) a row of a shared pass may have
 FIXED_COST_TOKENS = 512  # c0: a token's fixed cost expressed as attention over this many tokens of context
 
 
@@ -82,13 +87,13 @@ class PrefillPlanner:
 
 def joint_groups(rows: list[tuple[int, int]], planner: PrefillPlanner, max_tokens: int = JOINT_TOKENS) -> list[list[int]]:
     """Which waiting prompts share a prefill pass. ``rows``: (tokens already cached, tokens still to prefill) of
-    each, in arrival order; returns groups of their indices, in order, every one in exactly one group (a group
+    each, in arrival order; returns groups of their indices, every one in exactly one group (a group
     of one prefills alone).
 
     A shared pass pads every row to the longest remainder (its width) and every cache to the longest one, so a
     group costs rows x width tokens (at most ``max_tokens``) and rows x heads x width x (longest cache + width)
-    float32 attention scores (at most the planner's ``score_bytes``). Only a remainder of at most a first chunk
-    joins; a longer one prefills alone, chunk by chunk."""
+    float32 attention scores (at most the planner's ``score_bytes``). Only a remainder of at most a first chunk,
+    on a cache of at most ``JOINT_CONTEXT`` tokens with it, joins; a longer one prefills alone, chunk by chunk."""
 
     def fits(group: list[int]) -> bool:
         width = max(rows[i][1] for i in group)
@@ -99,8 +104,8 @@ def joint_groups(rows: list[tuple[int, int]], planner: PrefillPlanner, max_token
 
     groups: list[list[int]] = []
     current: list[int] = []
-    for i, (_, remaining) in enumerate(rows):
-        if remaining > planner.first_chunk or not fits([i]):
+    for i, (held, remaining) in enumerate(rows):
+        if remaining > planner.first_chunk or held + remaining > JOINT_CONTEXT or not fits([i]):
             groups.append([i])
         elif fits(current + [i]):
             current.append(i)

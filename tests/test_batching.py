@@ -164,10 +164,10 @@ def test_joint_groups_share_passes_within_their_limits():
     assert joint_groups([(40, 15)] * 16, planner) == [list(range(16))]  # 240 tokens: one pass
     assert joint_groups([(0, 100)] * 3, planner) == [[0, 1], [2]]  # 300 tokens would pass 256
     assert joint_groups([(0, 10), (0, 200), (0, 10)], planner) == [[1], [0, 2]]  # 200 > a first chunk: alone
-    # 9 heads x 100 x (100,000 + 100) x 4 bytes of scores is past 64 MB even for one row; two short rows next
-    # to a long cache would pay for its length: they share a pass of their own.
+    # A long cache prefills alone; the short rows around it share a pass of their own.
     assert joint_groups([(100_000, 100), (10, 10), (10, 10)], planner) == [[0], [1, 2]]
-    assert joint_groups([(1000, 50), (1000, 50), (30_000, 10)], planner) == [[0, 1], [2]]
+    # Copying caches of more than 512 tokens into a shared pass and out again costs more than it saves.
+    assert joint_groups([(400, 50), (400, 50), (500, 20), (30_000, 10)], planner) == [[2], [3], [0, 1]]
 
 
 def test_short_prompts_that_wait_together_share_a_prefill_pass():
