@@ -135,22 +135,27 @@ class Estimates:
             self.runtime_overhead = rss + SERVING_OVERHEAD
 
 
-def prompt_cache_budget(model: ModelConfig, needed: Estimate | None) -> int:
+def prompt_cache_budget(model: ModelConfig, needed: Estimate | None, available: int | None = None) -> int:
     """The prompt cache's byte budget for a model.
 
     Set in the config: that. Otherwise an eighth of the machine's memory, at most 4 GiB
-    (``runner.footprint.default_prompt_cache_bytes``) - and, when the model has a memory
-    limit, no more than the room that limit leaves above the model's estimate (the soft
-    limit if set, else half the way to the hard limit), so a full cache alone never
-    pushes the runner over it.
+    (``runner.footprint.default_prompt_cache_bytes``) - and no more than the room above the
+    model's estimate: up to its memory limit when it has one (the soft limit if set, else half
+    the way to the hard limit), so a full cache alone never pushes the runner over it; else
+    what the machine has available at load, half of it, so the cache of a model admitted into
+    little room does not take what the model itself will need.
     """
     if model.prompt_cache is not None:
         return model.prompt_cache
     budget = default_prompt_cache_bytes()
-    if needed is not None and (model.soft_limit or model.hard_limit):
-        limit = model.soft_limit or needed.total + (model.hard_limit - needed.total) // 2
-        budget = max(0, min(budget, limit - needed.total))
-    return budget
+    if needed is None:
+        return budget
+    if model.soft_limit or model.hard_limit:
+        room = (model.soft_limit or needed.total + (model.hard_limit - needed.total) // 2) - needed.total
+    else:
+        available = psutil.virtual_memory().available if available is None else available
+        room = (available - needed.total) // 2
+    return max(0, min(budget, room))
 
 
 def batch_memory_budget(model: ModelConfig, needed: Estimate | None, prompt_cache: int,
