@@ -202,10 +202,12 @@ def main(argv=None) -> int:
         return 0
     server.attach(engine, on_fatal)
     log.info("serving %s after %.2f s: %s, %s on the %s (%s), context %d; %s; release every %d tokens%s, "
-             "cache limit %d; prompt cache %d bytes", args.name, time.perf_counter() - started,
+             "cache limit %d; prompt cache %d bytes; batch of %d, its caches within %s", args.name,
+             time.perf_counter() - started,
              engine.target.config.get("model_type"), engine.target.compute_dtype, engine.device, engine.dtype_reason,
              engine.context_length, engine.speculative_note, settings.release_interval,
-             "" if settings.release_enabled else " DISABLED", engine.cache_limit, engine.prompt_cache.budget)
+             "" if settings.release_enabled else " DISABLED", engine.cache_limit, engine.prompt_cache.budget,
+             args.max_batch, "no limit" if args.batch_memory is None else f"{args.batch_memory} bytes")
     if not engine.speculative and (args.drafter or "none") != "none":
         log.warning("speculative decoding is off: %s", engine.speculative_note)
     elif engine.draft is not None and engine.drafters["model"]:
