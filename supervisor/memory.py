@@ -135,6 +135,19 @@ class Estimates:
             self.runtime_overhead = rss + SERVING_OVERHEAD
 
 
+def limit_room(model: ModelConfig, needed: Estimate) -> int | None:
+    """The room a model's memory limit leaves above its estimate (up to the soft limit, else half the way to
+    the hard limit); None when it has no limit."""
+    if not (model.soft_limit or model.hard_limit):
+        return None
+    return (model.soft_limit or needed.total + (model.hard_limit - needed.total) // 2) - needed.total
+
+
+def free_memory(available: int | None = None) -> int:
+    """``available``, or what the machine has available now."""
+    return psutil.virtual_memory().available if available is None else available
+
+
 def prompt_cache_budget(model: ModelConfig, needed: Estimate | None, available: int | None = None) -> int:
     """The prompt cache's byte budget for a model.
 
@@ -150,11 +163,9 @@ def prompt_cache_budget(model: ModelConfig, needed: Estimate | None, available: 
     budget = default_prompt_cache_bytes()
     if needed is None:
         return budget
-    if model.soft_limit or model.hard_limit:
-        room = (model.soft_limit or needed.total + (model.hard_limit - needed.total) // 2) - needed.total
-    else:
-        available = psutil.virtual_memory().available if available is None else available
-        room = (available - needed.total) // 2
+    room = limit_room(model, needed)
+    if room is None:
+        room = (free_memory(available) - needed.total) // 2
     return max(0, min(budget, room))
 
 
@@ -171,11 +182,9 @@ def batch_memory_budget(model: ModelConfig, needed: Estimate | None, prompt_cach
         return model.batch_memory
     if needed is None:
         return None
-    if model.soft_limit or model.hard_limit:
-        room = (model.soft_limit or needed.total + (model.hard_limit - needed.total) // 2) - needed.total
-    else:
-        available = psutil.virtual_memory().available if available is None else available
-        room = available - needed.total - prompt_cache
+    room = limit_room(model, needed)
+    if room is None:
+        room = free_memory(available) - needed.total - prompt_cache
     return needed.kv_cache + max(0, room)
 
 
