@@ -231,22 +231,16 @@ class MlxWorker:
         groups = joint_groups([need for _, need in joint], self._planner) if len(joint) > 1 else []
         shared = [[joint[i][0] for i in group] for group in groups if len(group) > 1]
         together = {id(job) for group in shared for job in group}
-        for group in shared:
+        for group in shared + [[job] for job in prefilling if id(job) not in together]:
             try:
-                prefill_jointly([job.session for job in group])
-                self.joint_prefills += 1
+                if len(group) > 1:
+                    prefill_jointly([job.session for job in group])
+                    self.joint_prefills += 1
+                else:
+                    group[0].session.prefill_chunk()
             except EngineError as error:
                 for job in group:
                     self._fail(job, error)
-            self.heartbeat = time.monotonic()
-            self._run_controls()
-        for job in prefilling:
-            if id(job) in together:
-                continue
-            try:
-                job.session.prefill_chunk()
-            except EngineError as error:
-                self._fail(job, error)
             self.heartbeat = time.monotonic()
             self._run_controls()
 
