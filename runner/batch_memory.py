@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-STEP = 256  # mlx-lm's KV caches (and BatchKVCache) grow in steps of this many positions
+STEP = BatchKVCache.step  # a batched cache grows in steps of this many positions (256)
 
 
 @dataclass(frozen=True)
