@@ -124,7 +124,7 @@ class Estimates:
     def of(self, model: ModelConfig, available: int | None = None) -> tuple[Estimate, str]:
         """The estimate and the dtype it assumes ("checkpoint" or "float32")."""
         footprints = self.footprints(model)
-        available = psutil.virtual_memory().available if available is None else available
+        available = free_memory(available)
         device = expected_device()
         context = model.max_context or None
         dtype, _ = resolve_dtype(model.dtype, device, footprints, available, context=context)
@@ -191,9 +191,10 @@ def batch_memory_budget(model: ModelConfig, needed: Estimate | None, prompt_cach
 SERVING_OVERHEAD = 60 * 2**20  # gRPC's threads, the tokenizer and first allocations, on top of the bare runtime
 
 
-def admit(model: ModelConfig, estimates: Estimates) -> Estimate | None:
-    """Refuse a model that will not fit; one whose folder cannot be read is left to its runner to report."""
-    available = psutil.virtual_memory().available
+def admit(model: ModelConfig, estimates: Estimates, available: int | None = None) -> Estimate | None:
+    """Refuse a model that will not fit in ``available`` (default: what the machine has now); one whose folder
+    cannot be read is left to its runner to report."""
+    available = free_memory(available)
     try:
         needed, dtype = estimates.of(model, available)
     except (OSError, FootprintError) as error:

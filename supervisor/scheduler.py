@@ -18,7 +18,7 @@ import grpc
 from runner.status import ServiceError
 
 from .config import SupervisorConfig
-from .memory import AdmissionRefused, Estimates, admit, batch_memory_budget, prompt_cache_budget
+from .memory import AdmissionRefused, Estimates, admit, batch_memory_budget, free_memory, prompt_cache_budget
 from .runners import ManagedRunner, State
 
 log = logging.getLogger("supervisor")
@@ -57,12 +57,14 @@ class Scheduler:
         with self._lock:
             if not runner.active:
                 self._make_room(runner)
+                available = free_memory()  # one reading for the admission and both budgets
                 try:
-                    needed = admit(runner.model, self.estimates)
+                    needed = admit(runner.model, self.estimates, available)
                 except AdmissionRefused as error:
                     raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
-                runner.prompt_cache_budget = prompt_cache_budget(runner.model, needed)
-                runner.batch_memory_budget = batch_memory_budget(runner.model, needed, runner.prompt_cache_budget)
+                runner.prompt_cache_budget = prompt_cache_budget(runner.model, needed, available)
+                runner.batch_memory_budget = batch_memory_budget(runner.model, needed, runner.prompt_cache_budget,
+                                                                 available)
                 runner.start()
         if wait:
             # No deadline (gRPC says ~2**63 s): as long as a runner may take to start.
