@@ -43,15 +43,21 @@ class Generation:
         runners = supervisor.scheduler.runners
         self.model = request.model or (next(iter(runners)) if len(runners) == 1 else "")
         self._cancelled = threading.Event()
-        self._call = None
+        self._active = None  # (runner, call) while a runner call streams
         self.tokens = 0  # streamed so far
 
     def cancel(self) -> None:
-        """The client went away: stop the runner's generation (it stops within one round)."""
+        """The client went away: stop the runner's generation (it stops within one round).
+
+        The runner's call stops counting as in flight here, not when this generation's iterator is finished: a
+        server may drop an iterator it no longer reads without closing it, and then only the cyclic garbage
+        collector would close it, whenever that runs."""
         self._cancelled.set()
-        call = self._call
-        if call is not None:
+        active = self._active
+        if active is not None:
+            runner, call = active
             call.cancel()
+            runner.untrack(call)
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -83,8 +89,8 @@ class Generation:
             with self.sup.scheduler.acquire(self.model, timeout=timeout) as runner:
                 started = time.perf_counter()
                 call = runner.client.stub.Generate(self._forwarded(), timeout=self.remaining())
-                self._call = call
                 runner.track(call)
+                self._active = (runner, call)
                 if self._cancelled.is_set():
                     call.cancel()
                 pid = runner.pid
@@ -111,8 +117,8 @@ class Generation:
                         continue
                     raise failure from None
                 finally:
+                    self._active = None
                     runner.untrack(call)
-                    self._call = None
 
     def _failure(self, runner: ManagedRunner, call, error: grpc.RpcError) -> tuple[ServiceError, bool]:
         """What the client is told, and whether the runner went away (so the request may be sent again)."""

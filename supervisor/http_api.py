@@ -342,23 +342,26 @@ def create_app(supervisor) -> FastAPI:
             return await stream(request, generation, out, bool(body.stream_options and body.stream_options.include_usage))
         return await whole(request, generation, out)
 
-    async def whole(request: Request, generation, out: Answer):
-        task = asyncio.ensure_future(run_in_threadpool(list, generation))
+    async def until_done(request: Request, generation, work):
+        """``work()`` on a worker thread; a client that disconnects meanwhile cancels the generation."""
+        task = asyncio.ensure_future(run_in_threadpool(work))
         try:
             while not task.done():
                 done, _ = await asyncio.wait({task}, timeout=0.1)
                 if not done and await request.is_disconnected():
                     generation.cancel()
-            chunks = task.result()
+            return task.result()
         except asyncio.CancelledError:
             generation.cancel()
             raise
-        return out.whole(chunks)
+
+    async def whole(request: Request, generation, out: Answer):
+        return out.whole(await until_done(request, generation, lambda: list(generation)))
 
     async def stream(request: Request, generation, out: Answer, include_usage: bool):
         chunks = iter(generation)
         # The first chunk decides between an error status and a 200 stream.
-        first = await run_in_threadpool(next, chunks, None)
+        first = await until_done(request, generation, lambda: next(chunks, None))
 
         async def events():
             chunk = first
@@ -375,14 +378,32 @@ def create_app(supervisor) -> FastAPI:
                     chunk = await run_in_threadpool(next, chunks, None)
             except ServiceError as error:
                 yield sse(openai_error(error)[1])
-            finally:
-                generation.cancel()  # a no-op once finished; a client that went away stops the runner here
             yield sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(events(), generation, chunks)
 
     return app
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events of one generation. However the response ends (streamed to the end, client gone, or
+    never started), the generation is cancelled, which stops its runner call, and its stream is closed.
+
+    Starlette stops a stream whose client went away by cancelling it, and it neither closes ``events`` nor
+    ``chunks``; left to the garbage collector, they would hold the runner call until a collection."""
+
+    def __init__(self, events, generation, chunks):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation, self.chunks = generation, chunks
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.cancel()  # a no-op once finished
+            # No thread is inside chunks now: a cancelled wait for its next() still waits for the thread.
+            self.chunks.close()
 
 
 class HttpServer:

@@ -34,7 +34,8 @@ def sup(tmp_path_factory):
     models = (model_toml("smol", target=SMOLLM2_DIR, draft=None)
               + model_toml("pair")
               + model_toml("busy", max_queue=0, max_batch=1))
-    sup = SupervisorProcess(tmp_path_factory.mktemp("chat"), models, auth_token=TOKEN).wait_ready(180)
+    # With the cyclic collector off, a stream whose runner call were released only when collected stays held.
+    sup = SupervisorProcess(tmp_path_factory.mktemp("chat"), models, collector=False, auth_token=TOKEN).wait_ready(180)
     yield sup
     assert sup.stop() == 0
 
