@@ -236,6 +236,10 @@ class SpeculativeDecoder(Decoder):
         super()._take(tokens)
         self.drafter.extend(tokens)
 
+    def close(self) -> None:
+        self.depth.finish()  # what this request kept informs the next request's starting depth
+        super().close()
+
     def take_back(self, cache: list) -> None:
         super().take_back(cache)
         self.rewinder = Rewinder(self.model, self.cache)

@@ -210,7 +210,7 @@ class Engine:
         self.cache_cost = CacheCost.measure(target.model)  # what a request's cache costs, per token and per row
         self.drafters = self._available_drafters()
         self.default_drafter = self._default_drafter()
-        # Learned per runner and drafter: acceptance by position and round time by depth.
+        # Per runner and drafter: round time by depth, and the acceptance by position a request starts from.
         self.depth = {name: DepthController(settings.max_draft_tokens,
                                             start=min(DEFAULT_NUM_DRAFT_TOKENS, settings.max_draft_tokens))
                       for name in self.drafters if name != "none"}
@@ -337,7 +337,7 @@ class Engine:
         if drafter == "none" or pinned == 0 or (seeded_sampling and request.num_draft_tokens is None):
             # A seeded sample draws one key per token, the same alone or in a batch: no drafting unless pinned.
             return PlainDecoder(self.target.model, prepared.prompt_ids, prepared.params, key, cache, held)
-        depth = FixedDepth(pinned) if pinned is not None else self.depth[drafter]
+        depth = FixedDepth(pinned) if pinned is not None else self.depth[drafter].for_request()
         if drafter == "model":
             draft_cache, draft_held = ((reuse.caches[1], reuse.tokens) if reuse.caches and len(reuse.caches) > 1
                                        else (None, 0))

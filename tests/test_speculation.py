@@ -164,6 +164,39 @@ def test_depth_controller_probes_less_while_the_best_depth_keeps_winning():
     assert controller.best() >= 4
 
 
+def test_depth_controller_climbs_while_drafts_are_kept_without_waiting_for_probes():
+    """Copying from the input: n-gram drafts nearly all kept, a deeper verification costs little. SmolLM2 did this
+    and the controller kept k = 1 (it waited for probes, which back off); k = 4 was 1.3x faster."""
+    controller = DepthController(max_depth=6, probe_every=1000, max_probe_every=1000)  # no probe in this run
+    seconds = {0: 0.040, **{k: 0.050 + 0.002 * k for k in range(1, 7)}}
+    steady(controller, 40, seconds, 0.95, random.Random(3))
+    assert controller.best() >= 4 and sum(controller.histogram[k] for k in range(4, 7)) > 10
+    # Drafts stop being kept: it comes back down, to plain decoding.
+    steady(controller, 60, seconds, 0.0, random.Random(4))
+    assert controller.best() == 0
+
+
+def test_each_request_learns_its_own_acceptance_and_shares_the_round_times():
+    """Copying is a property of the request: one that copies does not make the next one start as if it did."""
+    rng = random.Random(5)
+    seconds = {0: 0.040, **{k: 0.050 + 0.002 * k for k in range(1, 7)}}
+    runner = DepthController(max_depth=6)
+    for _ in range(3):  # prose: a draft now and then
+        request = runner.for_request()
+        steady(request, 40, seconds, 0.2, rng)
+        request.finish()
+    prose = runner.acceptance[0]
+    copying = runner.for_request()
+    assert copying.acceptance == runner.acceptance and copying.seconds is runner.seconds
+    steady(copying, 60, seconds, 0.95, rng)
+    assert copying.best() >= 4 and copying.acceptance[0] > 0.9
+    assert runner.acceptance[0] == prose  # the runner's starting point moves when the request ends, not per round
+    copying.finish()
+    # A quarter of the way from what the earlier requests kept to what this one kept.
+    assert runner.acceptance[0] == pytest.approx(prose + 0.25 * (copying.acceptance[0] - prose))
+    assert runner.acceptance[0] < 0.5
+
+
 def test_depth_controller_is_not_thrown_by_late_rounds():
     """On a shared machine some rounds run late; they must not make the best depth look slow for long."""
     rng = random.Random(2)
