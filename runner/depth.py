@@ -143,7 +143,8 @@ class DepthController:
         if runner is None:
             return
         for i in range(self.reached):
-            start = runner.acceptance[i] if i < runner.reached else self.acceptance[i]
+            # Where the runner had no request reach yet, it expected the deepest position reached.
+            start = runner.acceptance[min(i, runner.reached - 1)] if runner.reached else PRIOR_ACCEPTANCE
             runner.acceptance[i] = start + REQUEST_SMOOTHING * (self.acceptance[i] - start)
         runner.reached = max(runner.reached, self.reached)
 
