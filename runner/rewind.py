@@ -10,50 +10,80 @@ the KV layers by everything the round fed, and feeds the kept tokens again.
 That costs one more forward pass of the kept tokens, only in rounds that
 rejected something; every kept token ends up in every layer exactly once.
 
-A cache with layers of any other kind that cannot be trimmed (a rotating
-window past its size, say) is not rewindable: ``rewindable`` says so, and the
-engine serves such a model with plain decoding.
+A sliding-window layer (``RotatingKVCache``) can be trimmed until its window
+is full; after that, new tokens overwrite the oldest ones in the window, so the
+``Rewinder`` keeps that layer's state too: its buffers (a second reference,
+``mx.array(keys)``, which an in-place write of a one-token step leaves as it
+was, at the price of a copy of the window; a verification pass of several
+tokens replaces the buffers and copies nothing more) and its offsets.
+
+A cache with layers of any other kind that cannot be trimmed (mlx-lm's
+``CacheList``, say) is not rewindable: ``rewindable`` says so, and the engine
+serves such a model with plain decoding.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import (ArraysCache, ConcatenateKVCache, KVCache, QuantizedKVCache, can_trim_prompt_cache,
-                                 trim_prompt_cache)
+from mlx_lm.models.cache import (ArraysCache, ConcatenateKVCache, KVCache, QuantizedKVCache, RotatingKVCache,
+                                 can_trim_prompt_cache, trim_prompt_cache)
 
 # Layers that can always drop their last tokens (a rotating window cannot once it is full).
 ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+# Layers whose state the Rewinder keeps before a round and restores after a rejection.
+RESTORABLE = (ArraysCache, RotatingKVCache)
 
 
 def rewindable(cache: list) -> bool:
-    """Every layer can always be trimmed, or is an ArraysCache whose state can be kept and restored."""
-    return all(isinstance(layer, ALWAYS_TRIMMABLE + (ArraysCache,)) for layer in cache)
+    """Every layer can always be trimmed, or is one whose state can be kept and restored."""
+    return all(isinstance(layer, ALWAYS_TRIMMABLE + RESTORABLE) for layer in cache)
+
+
+def _kept(layer):
+    """What restores ``layer`` (one of RESTORABLE) to now."""
+    if isinstance(layer, ArraysCache):
+        return list(layer.cache), layer.left_padding, layer.lengths
+    copy = lambda a: None if a is None else mx.array(a)  # noqa: E731 - a reference an in-place write leaves as is
+    return copy(layer.keys), copy(layer.values), layer.offset, layer._idx
+
+
+def _restore(layer, kept) -> None:
+    if isinstance(layer, ArraysCache):
+        layer.cache, layer.left_padding, layer.lengths = list(kept[0]), kept[1], kept[2]
+    else:
+        layer.keys, layer.values, layer.offset, layer._idx = kept
 
 
 class Rewinder:
     def __init__(self, model, cache: list):
         self.model = model
         self.cache = cache
-        self.trimmable = can_trim_prompt_cache(cache)
+        self.restores = any(isinstance(layer, RESTORABLE) for layer in cache)
         self._saved: list | None = None
+
+    @property
+    def trimmable(self) -> bool:
+        """Every layer can drop its last tokens now (a sliding window: until it is full)."""
+        return can_trim_prompt_cache(self.cache)
 
     def snapshot(self) -> None:
         """Before feeding tokens that may be taken back."""
-        if not self.trimmable:
-            self._saved = [(list(layer.cache), layer.left_padding, layer.lengths)
-                           if isinstance(layer, ArraysCache) else None for layer in self.cache]
+        if self.restores:
+            self._saved = [_kept(layer) if isinstance(layer, RESTORABLE) else None for layer in self.cache]
 
     def rewind(self, fed: list[int], keep: int) -> None:
         """Keep the first ``keep`` of the ``fed`` tokens given since the snapshot; forget the rest."""
+        # Let the snapshot go now: a sliding window's kept buffers would make its next one-token write copy it.
+        saved, self._saved = self._saved, None
         drop = len(fed) - keep
         if drop <= 0:
             return
         if self.trimmable:
             trim_prompt_cache(self.cache, drop)
             return
-        for layer, saved in zip(self.cache, self._saved):
+        for layer, saved in zip(self.cache, saved):
             if saved is not None:
-                layer.cache, layer.left_padding, layer.lengths = list(saved[0]), saved[1], saved[2]
+                _restore(layer, saved)
             else:
                 layer.trim(len(fed))
         if keep:

@@ -194,31 +194,34 @@ def test_max_context_lowers_the_context(tmp_path):
         assert runner.stop() == 0
 
 
-# -- a model whose caches cannot be rewound -------------------------------------------------------------
+# -- a sliding-window model ------------------------------------------------------------------------------
 
 
-def test_a_model_whose_cache_cannot_be_rewound_serves_plain_decoding_and_says_so(tmp_path):
+def test_a_sliding_window_model_speculates_past_its_window(tmp_path):
+    """Its window layers (RotatingKVCache) cannot be trimmed once the window is full: the runner keeps their state
+    before each verification and restores it after a rejection (``runner.rewind``)."""
     folder = tiny_sliding_window_model(tmp_path / "sliding")
     runner = RunnerProcess(tmp_path / "sockets", target=folder, draft=DEFAULT_DRAFT).wait_serving()
+    prompt = "The for statement is used to iterate over"
     try:
         info = runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
-        assert not info.speculative and "cannot be rewound" in info.decoding and "RotatingKVCache" in info.decoding
-        assert info.num_draft_tokens == 0 and not info.target.rewindable and info.draft.rewindable
-        assert "speculative decoding with the draft model is off" in runner.stderr
-        prompt = "The for statement is used to iterate over"
-        chunks = list(runner.client.generate(timeout=60, prompt=prompt, max_tokens=150, ignore_eos=True))
-        tokens = [t for c in chunks for t in c.token_ids]
-        assert chunks[-1].stats.drafted == 0 and chunks[-1].stats.drafter == "none"
-        with pytest.raises(grpc.RpcError) as caught:  # and a request cannot ask for a drafter either
-            list(runner.client.generate(timeout=60, prompt=prompt, max_tokens=5, drafter="ngram"))
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be rewound" in caught.value.details()
+        assert info.speculative and info.target.rewindable and "RotatingKVCache" in info.target.cache
+        outputs = {}
+        for drafter in ("none", "model", "ngram"):
+            chunks = list(runner.client.generate(timeout=60, prompt=prompt, max_tokens=150, ignore_eos=True,
+                                                 drafter=drafter, num_draft_tokens=0 if drafter == "none" else 3))
+            outputs[drafter] = ([t for c in chunks for t in c.token_ids], chunks[-1].stats)
     finally:
         assert runner.stop() == 0
     from mlx_lm import load
 
     model, tokenizer = load(str(folder))
     model.set_dtype(mx.float32)
-    assert tokens == mlx_lm_greedy(model, tokenizer.encode(prompt), 150)  # past the 64-token window
+    expected = mlx_lm_greedy(model, tokenizer.encode(prompt), 150)  # past the 64-token window
+    for drafter, (tokens, stats) in outputs.items():
+        assert tokens == expected, drafter
+    stats = outputs["model"][1]
+    assert stats.drafted > 0 and stats.accepted < stats.drafted  # rejections happened, and were rewound
 
 
 def test_default_pair_speculates_with_its_draft(engine):

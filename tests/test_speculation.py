@@ -20,7 +20,7 @@ from runner.engine import Engine, EngineSettings
 from runner.prefill import PrefillPlanner
 from runner.request import GenerationRequest
 from runner.sampling import SamplingParams, point_mass, verify_sampled
-from tests.helpers import collect, tiny_hybrid_model
+from tests.helpers import collect, tiny_hybrid_model, tiny_sliding_window_model
 from tests.test_engine_sampling import CHI2_CRITICAL_DF5, chi_square
 
 PROSE = "The for statement is used to iterate over the elements of a sequence"
@@ -258,3 +258,33 @@ def test_smollm2_ngram_drafting_on_a_grounded_prompt_equals_plain():
     tokens, _, last = run(num_draft_tokens=2)  # a pinned depth drafts the same way on any machine
     assert tokens == expected
     assert last.stats.accepted >= 5  # the list is copied from the prompt
+
+
+def test_a_full_sliding_window_is_rewound_after_one_token_steps(tmp_path):
+    """A draft model steps one token at a time, and a full window (RotatingKVCache) writes those in place, over
+    its oldest tokens: the Rewinder's kept state must survive the writes. Rewound to one kept token, the cache
+    gives the same next logits as a cache that only ever saw that token."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    from runner.rewind import Rewinder
+
+    model, _ = load(str(tiny_sliding_window_model(tmp_path / "sliding")))
+    model.set_dtype(mx.float32)
+    prompt = [(7 * i) % 4000 + 5 for i in range(100)]  # past the 64-token window
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-2])[None], cache=cache)
+    for token in prompt[-2:]:  # after these the window's buffer is written in place
+        model(mx.array([[token]]), cache=cache)
+    assert any(isinstance(layer, RotatingKVCache) and not layer.is_trimmable() for layer in cache)
+    rewinder = Rewinder(model, cache)
+    rewinder.snapshot()
+    fed = [11, 12, 13]
+    for token in fed:  # one token a step: written in place
+        model(mx.array([[token]]), cache=cache)
+    rewinder.rewind(fed, 1)
+    fresh = make_prompt_cache(model)
+    model(mx.array(prompt + fed[:1])[None], cache=fresh)
+    got = model(mx.array([[99]]), cache=cache)[0, -1]
+    want = model(mx.array([[99]]), cache=fresh)[0, -1]
+    assert mx.allclose(got, want, atol=1e-4).item()
