@@ -131,7 +131,7 @@ class DepthController:
         """The controller of one request. Round times are the runner's (shared, and kept current by every
         request); the acceptance is the request's own, starting from what requests on this runner kept
         (``finish`` folds each request's in, a ``REQUEST_SMOOTHING`` step per request)."""
-        own = DepthController(self.max_depth, self.best(), self.probe_every, self.max_probe_every, self.smoothing)
+        own = DepthController(self.max_depth, self.start, self.probe_every, self.max_probe_every, self.smoothing)
         own.acceptance, own.reached = list(self.acceptance), self.reached
         own.seconds, own.timed_at, own.histogram = self.seconds, self.timed_at, self.histogram
         own.runner = self

@@ -197,6 +197,17 @@ def test_each_request_learns_its_own_acceptance_and_shares_the_round_times():
     assert runner.acceptance[0] < 0.5
 
 
+def test_a_request_times_the_starting_depth_when_the_runner_has_timed_only_plain_rounds():
+    """Earlier requests ran plain (batched, or with drafting off): the next request still tries drafting."""
+    runner = DepthController(max_depth=6, start=1)
+    earlier = runner.for_request()
+    for _ in range(5):
+        earlier.record(0, 0, 0.004)
+    assert runner.seconds == {0: 0.004} and runner.best() == 0
+    request = runner.for_request()
+    assert 1 in [request.choose() for _ in range(3)]
+
+
 def test_depth_controller_is_not_thrown_by_late_rounds():
     """On a shared machine some rounds run late; they must not make the best depth look slow for long."""
     rng = random.Random(2)
