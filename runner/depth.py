@@ -85,11 +85,15 @@ class DepthController:
         self._probe_up = True
         self.histogram: collections.Counter[int] = collections.Counter()
 
+    def expected_acceptance(self, i: int) -> float:
+        """a_(i+1) as expected now: learned where a round reached it; a position none reached is expected kept
+        as often as the deepest reached one (the prior before any round)."""
+        return self.acceptance[min(i, self.reached - 1)] if self.reached else PRIOR_ACCEPTANCE
+
     def expected_tokens(self, depth: int) -> float:
         total, kept = 1.0, 1.0
         for i in range(depth):
-            # A position no round has reached: as often kept as the deepest reached one.
-            kept *= self.acceptance[min(i, self.reached - 1)] if self.reached else PRIOR_ACCEPTANCE
+            kept *= self.expected_acceptance(i)
             total += kept
         return total
 
@@ -143,8 +147,7 @@ class DepthController:
         if runner is None:
             return
         for i in range(self.reached):
-            # Where the runner had no request reach yet, it expected the deepest position reached.
-            start = runner.acceptance[min(i, runner.reached - 1)] if runner.reached else PRIOR_ACCEPTANCE
+            start = runner.expected_acceptance(i)
             runner.acceptance[i] = start + REQUEST_SMOOTHING * (self.acceptance[i] - start)
         runner.reached = max(runner.reached, self.reached)
 
@@ -180,8 +183,8 @@ class DepthController:
         w = self.smoothing
         reached = min(drafted, accepted + 1)  # positions the verification reached
         for i in range(reached):
-            if i >= self.reached:  # first seen: start from what the prior said of it
-                self.acceptance[i] = self.acceptance[self.reached - 1] if self.reached else PRIOR_ACCEPTANCE
+            if i >= self.reached:  # first seen: start from what was expected of it
+                self.acceptance[i] = self.expected_acceptance(i)
             kept = 1.0 if i < accepted else 0.0
             self.acceptance[i] += w * (kept - self.acceptance[i])
         self.reached = max(self.reached, reached)

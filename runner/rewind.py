@@ -81,9 +81,9 @@ class Rewinder:
         if self.trimmable:
             trim_prompt_cache(self.cache, drop)
             return
-        for layer, saved in zip(self.cache, saved):
-            if saved is not None:
-                _restore(layer, saved)
+        for layer, kept in zip(self.cache, saved):
+            if kept is not None:
+                _restore(layer, kept)
             else:
                 layer.trim(len(fed))
         if keep:
