@@ -129,6 +129,7 @@ class Batch:
         self.cache: list | None = None
         self.releases = BatchRelease(release, release_enabled)
         self.steps = 0
+        self.leaves = 0  # times rows left, each one copy of the batched cache
         # The queued step: (chosen tokens, logits, the cache's capacity once it was built), or None.
         self._ahead: tuple[mx.array, mx.array, tuple] | None = None
 
@@ -154,11 +155,12 @@ class Batch:
         mx.eval([layer.state for layer in self.cache])
         self.releases.changed()
 
-    def leave(self, sessions: list, give_back: bool) -> None:
-        """Remove rows; ``give_back`` returns each its own cache (to go on alone or feed the prompt cache)."""
+    def leave(self, sessions: list, give_back: list[bool]) -> None:
+        """Remove rows, all in one copy of the batched cache; ``give_back[i]`` returns ``sessions[i]`` its own
+        cache (to go on alone or feed the prompt cache)."""
         indices = [self.rows.index(s) for s in sessions]
-        if give_back:
-            for session, index in zip(sessions, indices):
+        for session, index, own_back in zip(sessions, indices, give_back):
+            if own_back:
                 own = [layer.extract(index) for layer in self.cache]
                 if self._ahead is not None:  # the queued step fed its pending token: not its to keep
                     for layer in own:
@@ -167,7 +169,9 @@ class Batch:
                 session.decoder.take_back(own)
         for session in sessions:
             session.batched = False
-        keep = [i for i in range(len(self.rows)) if i not in set(indices)]
+        leaving = set(indices)
+        self.leaves += 1
+        keep = [i for i in range(len(self.rows)) if i not in leaving]
         self.rows = [self.rows[i] for i in keep]
         if keep:
             for layer in self.cache:

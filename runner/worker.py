@@ -206,9 +206,11 @@ class MlxWorker:
 
     def _turn(self) -> None:
         """One unit of work for every active request: a prefill chunk, or a decode step."""
-        for job in [j for j in self._active if j.cancelled.is_set()]:
+        cancelled = [j for j in self._active if j.cancelled.is_set()]
+        for job in cancelled:
             job.session.cancel()
-            self._end(job, None)
+        if cancelled:
+            self._end([(job, None) for job in cancelled])
         self._prefill([j for j in self._active if not j.session.prefilled])
         decoding = [j for j in self._active if j.session.prefilled and not j.session.done]
         if not decoding:
@@ -250,7 +252,7 @@ class MlxWorker:
             self._deliver_rows(self._batch.settle())  # its token the batch has queued
             if session.done:
                 return
-            self._batch.leave([session], give_back=True)
+            self._batch.leave([session], give_back=[True])
         round_ = session.solo_round()
         self._deliver(job, round_)
 
@@ -269,37 +271,47 @@ class MlxWorker:
             self.batched_steps += 1
 
     def _deliver_rows(self, rounds: list) -> None:
-        """A batched step's (session, Round) pairs, each to its job (some may end their requests)."""
+        """A batched step's (session, Round) pairs, each to its job; the requests that ended leave together."""
         jobs = {id(j.session): j for j in self._active}
+        ended = []
         for session, round_ in rounds:
-            self._deliver(jobs[id(session)], round_)
+            job = jobs[id(session)]
+            if session.done:
+                ended.append((job, round_))
+            else:
+                job.rounds.put(round_)
+        if ended:
+            self._end(ended)
 
     def _deliver(self, job: GenerationJob, round_: Round) -> None:
         if job.session.done:
-            self._end(job, round_)
+            self._end([(job, round_)])
         else:
             job.rounds.put(round_)
 
-    def _end(self, job: GenerationJob, last: Round | None) -> None:
-        session = job.session
-        if session.batched:
-            self._batch.leave([session], give_back=session.prepared.cache_prompt)
-        final = session.final_round(last)
-        job.rounds.put(final)
-        job.rounds.put(None)
-        with self._lock:
-            self._active.remove(job)
-        s = final.stats
-        log.info("request %s: %s after %d tokens, %d rounds, acceptance %.2f, %.0f tok/s, releases %s",
-                 job.request.request_id or "-", final.finish_reason, s.generated_tokens, s.rounds,
-                 s.acceptance_rate, s.tokens_per_second, s.release_positions)
+    def _end(self, ended: list[tuple[GenerationJob, Round | None]]) -> None:
+        """Finish requests: (job, its last round or None). Those in the batch leave it in one go - one copy of
+        the batched cache for all of them, not one each (a burst of equal requests ends at the same step)."""
+        leaving = [job.session for job, _ in ended if job.session.batched]
+        if leaving:
+            self._batch.leave(leaving, give_back=[s.prepared.cache_prompt for s in leaving])
+        for job, last in ended:
+            final = job.session.final_round(last)
+            job.rounds.put(final)
+            job.rounds.put(None)
+            with self._lock:
+                self._active.remove(job)
+            s = final.stats
+            log.info("request %s: %s after %d tokens, %d rounds, acceptance %.2f, %.0f tok/s, releases %s",
+                     job.request.request_id or "-", final.finish_reason, s.generated_tokens, s.rounds,
+                     s.acceptance_rate, s.tokens_per_second, s.release_positions)
 
     def _fail(self, job: GenerationJob, error: BaseException) -> None:
         session = job.session
         if session is not None:
             if session.batched:
                 try:
-                    self._batch.leave([session], give_back=False)
+                    self._batch.leave([session], give_back=[False])
                 except Exception:  # noqa: BLE001 - the batch goes with the runner
                     pass
             session.abandon()

@@ -159,6 +159,38 @@ def test_a_request_ended_in_a_batch_feeds_the_prompt_cache_exactly():
         worker.join(10)
 
 
+def test_requests_that_end_at_the_same_step_leave_the_batch_together():
+    """A burst of equal requests ends at one step: they leave in one copy of the batched cache (not one copy
+    each), each keeps exactly its own cache for the prompt cache when it asked for it, and the row that
+    stays goes on as alone."""
+    engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=64 * 2**20))
+    worker = MlxWorker(engine, max_queue=8, max_batch=4)
+    worker.start()
+    try:
+        prompts = [tuple(engine.tokenizer.encode(p)) for p in PROMPTS[:3]]
+        expected = alone(engine, prompt_ids=prompts[2], max_tokens=100, drafter="none")[0]
+        hold = threading.Event()
+        worker.call(hold.wait)  # admitted at one turn: prefilled together, so the two short ones end together
+        jobs = [worker.submit(engine.prepare(GenerationRequest(prompt_ids=p, max_tokens=n, ignore_eos=True,
+                                                                cache_prompt=keep)))
+                for p, n, keep in ((prompts[0], 40, True), (prompts[1], 40, False), (prompts[2], 100, False))]
+        leaves = worker._batch.leaves
+        hold.set()
+        got = [results(job) for job in jobs]
+        assert all(g[2].stats.depths.get(0, 0) >= 30 for g in got)  # all three decoded in the batch
+        assert worker._batch.leaves == leaves + 2  # the two together, then the last one to go on alone
+        assert got[2][0] == expected
+        entries = {tuple(e.tokens[:len(p)]): e for e in engine.prompt_cache._entries.values() for p in prompts
+                   if tuple(e.tokens[:len(p)]) == p}
+        assert set(entries) == {prompts[0]}  # the one that asked; the other did not
+        entry = entries[prompts[0]]
+        assert entry.tokens == list(prompts[0]) + got[0][0][:-1]
+        assert all(layer.offset == len(entry.tokens) for layer in entry.caches[0])
+    finally:
+        worker.stop(cancel_running=True)
+        worker.join(10)
+
+
 def test_joint_groups_share_passes_within_their_limits():
     planner = PrefillPlanner(heads=9)  # first chunk 128 tokens, scores up to 64 MB
     assert joint_groups([(40, 15)] * 16, planner) == [list(range(16))]  # 240 tokens: one pass
