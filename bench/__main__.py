@@ -2,7 +2,7 @@ import sys
 
 from runner.cpu_blas import reexec_with_fast_blas
 
-SECTIONS = ("speculation", "runner", "supervisor", "real_model", "prompt_cache", "batching")
+SECTIONS = ("speculation", "runner", "supervisor", "real_model", "gguf_import", "prompt_cache", "batching")
 
 
 def main() -> None:

@@ -9,12 +9,34 @@ library from the GGUF vocabulary and merges) and ``tokenizer_config.json``
 and serves here like any other.
 
 What it handles: the llama architecture (Llama 1-3, Mistral, SmolLM, TinyLlama
-and the rest of that family) with F32, F16, BF16, Q4_0, Q4_1 and Q8_0 tensors,
-and a byte-level BPE (``gpt2``) vocabulary. ``mx.load`` reads the file: Q4_0,
-Q4_1 and Q8_0 tensors come back in MLX's affine quantized layout (uint32 words
-plus scales and biases, group size 32), so quantized weights stay quantized.
-Anything else (another architecture, a K-quant, a SentencePiece vocabulary) is
-refused with one ``GGUFImportError`` naming it, never imported half-right.
+and the rest of that family) with F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1
+and the K-quants (Q2_K to Q6_K: the Q4_K_M, Q5_K_M, Q3_K_M... files most GGUF
+downloads are), and a byte-level BPE (``gpt2``) vocabulary.
+
+- A file of F32/F16/BF16/Q4_0/Q4_1/Q8_0 tensors only is read by ``mx.load``:
+  the quantized ones come back in MLX's affine layout (uint32 words plus
+  scales and biases, group size 32) exactly, and stay quantized.
+- Any other type: ``mx.load`` cannot read such a file (or reads some K-quants
+  to float16), so every tensor is read with ``gguf`` (llama.cpp's own Python
+  package) and put in MLX's affine layout (group size 32, float32 scales and
+  biases), per type:
+  - Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K: every group of 32 values is
+    scale * level + bias, so the blocks are decoded into those levels, scales
+    and biases (``affine_blocks``) and kept at their own bits: the weights are
+    exactly those of llama.cpp's dequantization (tested bit for bit);
+  - Q2_K, Q3_K, Q6_K: their sub-blocks hold 16 values, a group size MLX does
+    not have; IQ4_NL and IQ4_XS (what llama.cpp writes for Q2_K/Q3_K files'
+    tensors whose rows are not a multiple of 256) put their 16 levels on a
+    non-uniform table. They are dequantized by llama.cpp's reference code
+    (``gguf.quants.dequantize``) and quantized again wider (``REQUANTIZED_BITS``:
+    4, 4, 8 and 8; ``affine_quantize``: per group of 32, its minimum and
+    range), each weight within half a level of the new grid.
+  The per-layer widths go into the config's ``quantization`` entry, as
+  mlx-lm's mixed-precision recipes write them.
+
+Anything else (another architecture, the other IQ types and the ternary ones,
+a SentencePiece vocabulary) is refused with one ``GGUFImportError`` naming it,
+never imported half-right.
 
 GGUF stores llama's Q and K projection rows interleaved for RoPE (llama.cpp
 permutes them on export); the importer puts them back in Hugging Face's order,
@@ -29,9 +51,11 @@ import sys
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-# GGML tensor types whose data mx.load returns unchanged (float) or in MLX's affine layout (quantized).
+# GGML tensor types whose data mx.load returns unchanged (float) or exactly in MLX's affine layout (quantized).
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+# Types dequantized with llama.cpp's code and quantized again for MLX: the bits of the MLX layout.
+REQUANTIZED_BITS = {"Q2_K": 4, "Q3_K": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 8, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 8, "IQ4_XS": 8}
 GGML_GROUP_SIZE = 32
 # tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's names for the regexes it uses).
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -63,6 +87,7 @@ def read_tensor_types(path: Path) -> dict[str, str]:
     try:
         reader = GGUFReader(str(path))
     except Exception as error:  # noqa: BLE001 - any parse failure is a bad file
+        load_gguf(path)  # mx.load's message is the clearer one (a file cut short "extends past the end of the file")
         raise GGUFImportError(f"{path}: cannot read the GGUF header: {type(error).__name__}: {error}") from None
     return {t.name: t.tensor_type.name for t in reader.tensors}
 
@@ -86,6 +111,165 @@ def load_gguf(path: Path):
     except Exception as error:  # noqa: BLE001 - mx.load raises RuntimeError/ValueError for bad files
         message = str(error).removeprefix("[load_gguf] ")
         raise GGUFImportError(f"{path}: cannot load the tensors: {message}") from None
+
+
+def pack_levels(levels, bits: int):
+    """MLX's packed layout of quantized levels (uint8, rows x columns, each < 2**bits): each row's levels as one
+    little-endian bit stream, ``bits`` bits apiece, in uint32 words (what ``mx.dequantize`` reads, any width)."""
+    import numpy as np
+
+    rows, columns = levels.shape
+    if 32 % bits == 0:  # whole levels per word
+        per_word = 32 // bits
+        grouped = levels.reshape(rows, columns // per_word, per_word).astype(np.uint32)
+        return np.bitwise_or.reduce(grouped << (np.arange(per_word, dtype=np.uint32) * bits), axis=-1)
+    stream = (levels[..., None] >> np.arange(bits, dtype=np.uint8)) & 1
+    return np.packbits(stream.reshape(rows, -1, 8), axis=-1, bitorder="little").reshape(rows, -1).view(np.uint32)
+
+
+def affine_quantize(values, bits: int, group_size: int = GGML_GROUP_SIZE) -> dict:
+    """``values`` (float32, rows x columns) in MLX's affine layout: per group, bias = its minimum and scale = its
+    range over 2**bits - 1 levels. Unlike ``mx.quantize`` (which moves the grid so that zero falls on a level),
+    this keeps a GGML block's own grid: a group of values d * q + m that uses its lowest and highest level
+    comes back exactly, and any other value within half a level. Scales and biases in float32."""
+    import mlx.core as mx
+    import numpy as np
+
+    rows, columns = values.shape
+    groups = values.reshape(rows, columns // group_size, group_size)
+    low, high = groups.min(axis=-1), groups.max(axis=-1)
+    top = 2**bits - 1
+    scale = np.where(high > low, (high - low) / top, 1.0).astype(np.float32)
+    levels = np.clip(np.rint((groups - low[..., None]) / scale[..., None]), 0, top).astype(np.uint8)
+    return {"weight": mx.array(pack_levels(levels.reshape(rows, columns), bits)),
+            "scales": mx.array(scale), "biases": mx.array(low.astype(np.float32))}
+
+
+def _f16(column):
+    return column.copy().view("float16").astype("float32")
+
+
+def _nibbles(qs, groups: int):
+    """Packed 4-bit levels, llama.cpp's order: a run of n bytes holds levels 0..n-1 in its low nibbles and
+    n..2n-1 in its high ones (n = 16 for a 32-level block, 32 for each 64-level run of a K-quant)."""
+    import numpy as np
+
+    blocks = qs.shape[0]
+    runs = qs.reshape(blocks, groups, 1, -1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (runs & 0x0F).reshape(blocks, -1)
+
+
+def _high_bits(qh, count: int):
+    """Bit i of the little-endian bit field ``qh`` (one row per block) for i < count, as uint8 0/1."""
+    import numpy as np
+
+    return np.unpackbits(qh, axis=-1, bitorder="little")[:, :count]
+
+
+def _k_scales(scales):
+    """The eight 6-bit scales and mins of a Q4_K/Q5_K block (llama.cpp's get_scale_min_k4)."""
+    import numpy as np
+
+    d, m, md = np.split(scales.reshape(-1, 3, 4), 3, axis=-2)
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1).reshape(-1, 8)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1).reshape(-1, 8)
+    return sc.astype("float32"), mn.astype("float32")
+
+
+def affine_blocks(blocks, kind: str):
+    """The blocks of a GGML type whose groups of 32 values are each ``scale * level + bias`` (one row per block)
+    as (levels: uint8 per value, scale and bias: float32 per group of 32), exactly what llama.cpp's
+    dequantization computes; None for the other types."""
+    import numpy as np
+
+    n = blocks.shape[0]
+    if kind == "Q8_0":  # d, 32 x int8
+        d = _f16(blocks[:, :2])
+        return (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d
+    if kind == "Q4_0":  # d, 16 bytes of nibbles; value d * (level - 8)
+        d = _f16(blocks[:, :2])
+        return _nibbles(blocks[:, 2:], 1), d, -8 * d
+    if kind == "Q4_1":  # d, m, nibbles; value d * level + m
+        return _nibbles(blocks[:, 4:], 1), _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    if kind in ("Q5_0", "Q5_1"):  # d, (m,) 32 high bits, nibbles; Q5_0: d * (level - 16)
+        start = 2 if kind == "Q5_0" else 4
+        levels = _nibbles(blocks[:, start + 4:], 1) | (_high_bits(blocks[:, start:start + 4], 32) << 4)
+        d = _f16(blocks[:, :2])
+        return levels, d, (-16 * d if kind == "Q5_0" else _f16(blocks[:, 2:4]))
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin, 12 bytes of 6-bit scales and mins, (32 bytes of high bits,) nibbles
+        sc, mn = _k_scales(blocks[:, 4:16])
+        scale = (_f16(blocks[:, :2]) * sc).reshape(-1)
+        bias = -(_f16(blocks[:, 2:4]) * mn).reshape(-1)
+        if kind == "Q4_K":
+            levels = _nibbles(blocks[:, 16:], 4)
+        else:
+            high = _high_bits(blocks[:, 16:48], 256).reshape(n, 32, 8).transpose(0, 2, 1).reshape(n, 256)
+            levels = _nibbles(blocks[:, 48:], 4) | (high << 4)
+        return levels.reshape(-1, 32), scale[:, None], bias[:, None]
+    return None
+
+
+def requantized(data, kind: str, bits: int) -> dict:
+    """One quantized tensor of GGML type ``kind`` (``data``: its raw blocks, a row of blocks per output row, as
+    ``gguf.GGUFReader`` gives them) in MLX's affine layout, group size 32, scales and biases in float32.
+
+    A type whose groups of 32 are each scale * level + bias (``affine_blocks``) keeps its levels, scales and biases
+    exactly, at its own bits. The others are dequantized by llama.cpp's code and quantized again at ``bits``
+    (``affine_quantize``)."""
+    import mlx.core as mx
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType[kind]
+    rows = data.shape[0]
+    exact = affine_blocks(data.reshape(-1, GGML_QUANT_SIZES[qtype][1]), kind)
+    if exact is None:
+        return affine_quantize(dequantize(data, qtype).astype("float32"), bits)
+    levels, scale, bias = exact
+    return {"weight": mx.array(pack_levels(levels.reshape(rows, -1), bits)),
+            "scales": mx.array(scale.reshape(rows, -1)), "biases": mx.array(bias.reshape(rows, -1))}
+
+
+def read_tensors(path: Path) -> dict:
+    """Every tensor, read with ``gguf``'s reader, under mx.load's names: float tensors as they are, quantized
+    ones in MLX's affine layout at ``REQUANTIZED_BITS`` (Q4_0/Q4_1/Q8_0 in such a file: at their own bits)."""
+    import mlx.core as mx
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        tensors = GGUFReader(str(path)).tensors
+    except Exception as error:  # noqa: BLE001 - any parse failure is a bad file
+        raise GGUFImportError(f"{path}: cannot read the tensors: {type(error).__name__}: {error}") from None
+    weights = {}
+    for tensor in tensors:
+        kind = tensor.tensor_type.name
+        if kind in FLOAT_TYPES:
+            values = dequantize(tensor.data, tensor.tensor_type) if kind == "BF16" else tensor.data
+            weights[tensor.name] = mx.array(values).reshape(tuple(reversed(tensor.shape.tolist())))
+            continue
+        bits = REQUANTIZED_BITS.get(kind) or QUANTIZED_TYPES[kind]
+        base = tensor.name.removesuffix(".weight")
+        for suffix, array in requantized(tensor.data, kind, bits).items():
+            weights[f"{base}.{suffix}"] = array
+    return weights
+
+
+def read_metadata(path: Path) -> dict:
+    """The key-value metadata as ``mx.load`` gives it: numbers as 0-d arrays, number lists as arrays, strings and
+    string lists as they are (``gguf``'s reader, for files ``mx.load`` cannot read)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
+
+    metadata = {}
+    for name, field in GGUFReader(str(path)).fields.items():
+        if name.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if field.types[-1] not in (GGUFValueType.STRING, GGUFValueType.ARRAY):
+            value = np.asarray(value)
+        metadata[name] = value
+    return metadata
 
 
 def scalar(metadata: dict, key: str, default=None):
@@ -144,10 +328,10 @@ def check_supported(metadata: dict, types: dict[str, str]) -> None:
         raise GGUFImportError(f"unsupported architecture {arch!r} (this importer handles: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)})")
     for name, kind in types.items():
-        if kind not in FLOAT_TYPES and kind not in QUANTIZED_TYPES:
+        if kind not in FLOAT_TYPES and kind not in QUANTIZED_TYPES and kind not in REQUANTIZED_BITS:
             raise GGUFImportError(
                 f"unsupported quantization type {kind} (tensor {name}); supported: "
-                f"{', '.join((*FLOAT_TYPES, *QUANTIZED_TYPES))}")
+                f"{', '.join((*FLOAT_TYPES, *QUANTIZED_TYPES, *REQUANTIZED_BITS))}")
 
 
 def mlx_name(gguf_name: str) -> str | None:
@@ -189,7 +373,8 @@ def convert_weights(weights: dict, config: dict) -> dict:
 
 def quantization_entry(types: dict[str, str]) -> dict | None:
     """mlx-lm's ``quantization`` config: the most common width, per-layer entries for the others."""
-    bits = {name: QUANTIZED_TYPES[kind] for name, kind in types.items() if kind in QUANTIZED_TYPES}
+    width_of = {**QUANTIZED_TYPES, **REQUANTIZED_BITS}
+    bits = {name: width_of[kind] for name, kind in types.items() if kind in width_of}
     if not bits:
         return None
     widths = list(bits.values())
@@ -278,9 +463,14 @@ def import_gguf(source: str | Path, out_dir: str | Path) -> Path:
     if not source.is_file():
         raise GGUFImportError(f"{source}: no such file")
     check_magic(source)
-    weights, metadata = load_gguf(source)  # says clearly when the file is cut short
     types = read_tensor_types(source)
-    check_supported(metadata, types)
+    if all(kind in FLOAT_TYPES or kind in QUANTIZED_TYPES for kind in types.values()):
+        weights, metadata = load_gguf(source)  # exact; says clearly when the file is cut short
+        check_supported(metadata, types)
+    else:
+        metadata = read_metadata(source)
+        check_supported(metadata, types)
+        weights = read_tensors(source)
     tokenizer = build_tokenizer(metadata)
     quantization = quantization_entry(types)
     config = model_config(metadata, weights, quantization)

@@ -83,3 +83,28 @@ def tiny_sliding_window_model(folder, seed: int = 0):
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     return save_model_folder(model, config, folder)
+
+
+def rewrite_gguf(source, destination, new_type):
+    """``source`` again with each tensor in ``new_type(name, type)`` (None: as it is), its metadata unchanged."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(destination), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        array = field.types[0] == gguf.GGUFValueType.ARRAY
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    for tensor in reader.tensors:
+        kind = new_type(tensor.name, tensor.tensor_type)
+        if kind is None:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+        else:
+            writer.add_tensor(tensor.name, quantize(dequantize(tensor.data, tensor.tensor_type), kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return destination

@@ -20,7 +20,7 @@ from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from runner.engine import Engine, EngineSettings
 from runner.protocol import runner_pb2
 from runner.request import GenerationRequest
-from tests.helpers import collect, tiny_sliding_window_model
+from tests.helpers import collect, rewrite_gguf, tiny_sliding_window_model
 from tests.processes import RunnerProcess, child_environment
 
 SMOLLM2_PARAMETERS = 134_515_008
@@ -89,12 +89,12 @@ def bad_ggufs(folder):
     not_gguf = folder / "notes.gguf"
     not_gguf.write_text("this is a text file, not a model\n" * 10)
     qwen = write_gguf(folder / "qwen.gguf", "qwen2", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
-    k_quant = write_gguf(folder / "q6k.gguf", "llama", {
+    iq = write_gguf(folder / "iq2.gguf", "llama", {
         "token_embd.weight": (np.zeros((8, 32), np.float32), None),
-        "blk.0.attn_q.weight": (np.zeros((4, 210), np.uint8), gguf.GGMLQuantizationType.Q6_K),
+        "blk.0.attn_q.weight": (np.zeros((4, 66), np.uint8), gguf.GGMLQuantizationType.IQ2_XXS),
     })
     return [(truncated, "extends past the end of the file"), (not_gguf, "is not a GGUF file"),
-            (qwen, "unsupported architecture 'qwen2'"), (k_quant, "unsupported quantization type Q6_K")]
+            (qwen, "unsupported architecture 'qwen2'"), (iq, "unsupported quantization type IQ2_XXS")]
 
 
 def test_importer_refuses_bad_files_with_one_clear_line(tmp_path):
@@ -105,6 +105,66 @@ def test_importer_refuses_bad_files_with_one_clear_line(tmp_path):
         assert done.returncode == 2 and len(lines) == 1, (path, done.stderr)
         assert expected in lines[0] and lines[0].startswith("runner.gguf: "), lines[0]
         assert not (tmp_path / "out" / "config.json").exists()
+
+
+# Byte offsets of each block's float16 scale fields: random bytes there could be inf or NaN.
+SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+WIDER = {"Q2_K": 2, "Q3_K": 3, "Q6_K": 6, "IQ4_NL": 4, "IQ4_XS": 4}  # stored wider than their own bits
+
+
+@pytest.mark.parametrize("kind", list(SCALE_FIELDS))
+def test_each_quantized_type_imports_as_llama_cpp_dequantizes_it(kind):
+    """Random blocks of every supported type (random levels and scales: any bit pattern is a valid block) against
+    llama.cpp's own dequantization (``gguf.quants``): the types whose groups of 32 share a scale and a bias come
+    back bit for bit at their own width; the ones with 16-value sub-blocks or a non-uniform table within half a
+    level of a wider grid."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from runner.gguf import QUANTIZED_TYPES, REQUANTIZED_BITS, requantized
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(list(SCALE_FIELDS).index(kind))
+    data = rng.integers(0, 256, size=(6, 512 // block * size), dtype=np.uint8)
+    for offset in SCALE_FIELDS[kind]:
+        fields = data.reshape(-1, size)[:, offset:offset + 2]
+        fields[:] = rng.uniform(-0.05, 0.05, size=(len(fields), 1)).astype(np.float16).view(np.uint8)
+    expected = dequantize(data, qtype)
+    bits = REQUANTIZED_BITS.get(kind) or QUANTIZED_TYPES[kind]
+    parts = requantized(data, kind, bits)
+    got = np.array(mx.dequantize(parts["weight"], parts["scales"], parts["biases"], group_size=32, bits=bits))
+    assert got.shape == expected.shape == (6, 512)
+    if kind in WIDER:
+        level = np.repeat(np.array(parts["scales"]), 32, axis=-1)
+        assert np.all(np.abs(got - expected) <= 0.5001 * level)
+        assert bits > WIDER[kind]
+    else:
+        assert np.array_equal(got, expected)
+
+
+def test_a_file_mx_load_cannot_read_imports_and_answers(tmp_path):
+    """SmolLM2's GGUF rewritten the way llama.cpp writes a model whose rows are not a multiple of 256 in a
+    K-quant file (Q5_0 and Q5_1 for its matrices, Q8_0 embedding, F32 norms): ``mx.load`` cannot read it, the
+    importer reads it with ``gguf``, writes mixed widths per layer, and the model answers as before."""
+    import gguf
+
+    from runner.gguf import import_gguf, load_gguf, GGUFImportError
+
+    Q = gguf.GGMLQuantizationType
+    source = SMOLLM2_DIR.parent.parent / ".whl" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    rewritten = rewrite_gguf(source, tmp_path / "smollm2-q5.gguf", lambda name, kind: None if kind != Q.Q4_1 else (
+        Q.Q5_0 if ".attn_" in name else Q.Q5_1))
+    with pytest.raises(GGUFImportError, match="cannot load the tensors"):
+        load_gguf(rewritten)
+    folder = import_gguf(rewritten, tmp_path / "smollm2-q5")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 5, "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    engine = Engine.load(folder, None, EngineSettings(prompt_cache_bytes=0))
+    tokens, text, last = collect(engine.generate(GenerationRequest(messages=(("user", CAPITAL[0]["content"]),),
+                                                                   max_tokens=40)))
+    assert "Paris" in text and last.finish_reason == "stop", text
 
 
 # -- SmolLM2 in a runner started by its CLI ------------------------------------------------------------
