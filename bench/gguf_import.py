@@ -12,6 +12,7 @@ answer to the capital question (float32 on the CPU, as served).
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ def largest_difference(source: Path, folder: Path) -> float:
 
     from runner.gguf import mlx_name, unpermute_rows
 
-    config = __import__("json").loads((folder / "config.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
     weights = mx.load(str(folder / "model.safetensors"))
     quantization = config["quantization"]
     worst = 0.0
@@ -72,12 +73,15 @@ def run() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        files = [("Q4_1 (as shipped), Q8_0 embedding", source, "mx.load")]
-        files.append(("Q5_0 attention, Q5_1 MLP, Q8_0 embedding", rewrite_gguf(
-            source, tmp / "q5.gguf", lambda name, kind: None if kind != Q.Q4_1 else (Q.Q5_0 if ".attn_" in name else Q.Q5_1)),
-            "gguf"))
-        files.append(("Q8_0 everywhere", rewrite_gguf(source, tmp / "q8.gguf",
-                                                      lambda name, kind: None if kind != Q.Q4_1 else Q.Q8_0), "mx.load"))
+        def q5(name, kind):
+            return None if kind != Q.Q4_1 else (Q.Q5_0 if ".attn_" in name else Q.Q5_1)
+
+        def q8(name, kind):
+            return None if kind != Q.Q4_1 else Q.Q8_0
+
+        files = [("Q4_1 (as shipped), Q8_0 embedding", source, "mx.load"),
+                 ("Q5_0 attention, Q5_1 MLP, Q8_0 embedding", rewrite_gguf(source, tmp / "q5.gguf", q5), "gguf"),
+                 ("Q8_0 everywhere", rewrite_gguf(source, tmp / "q8.gguf", q8), "mx.load")]
         for label, path, reader in files:
             out = tmp / f"out-{path.stem}"
             started = time.perf_counter()

@@ -9,9 +9,9 @@ library from the GGUF vocabulary and merges) and ``tokenizer_config.json``
 and serves here like any other.
 
 What it handles: the llama architecture (Llama 1-3, Mistral, SmolLM, TinyLlama
-and the rest of that family) with F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1
-and the K-quants (Q2_K to Q6_K: the Q4_K_M, Q5_K_M, Q3_K_M... files most GGUF
-downloads are), and a byte-level BPE (``gpt2``) vocabulary.
+and the rest of that family) with F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+IQ4_NL, IQ4_XS and the K-quants (Q2_K to Q6_K: the Q4_K_M, Q5_K_M, Q3_K_M...
+files most GGUF downloads are), and a byte-level BPE (``gpt2``) vocabulary.
 
 - A file of F32/F16/BF16/Q4_0/Q4_1/Q8_0 tensors only is read by ``mx.load``:
   the quantized ones come back in MLX's affine layout (uint32 words plus
@@ -54,8 +54,10 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 # GGML tensor types whose data mx.load returns unchanged (float) or exactly in MLX's affine layout (quantized).
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-# Types dequantized with llama.cpp's code and quantized again for MLX: the bits of the MLX layout.
-REQUANTIZED_BITS = {"Q2_K": 4, "Q3_K": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 8, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 8, "IQ4_XS": 8}
+# Types the importer converts itself (read with ``gguf``, ``requantized``): the width of their MLX layout, their
+# own where their groups of 32 share a scale and a bias, wider where they do not.
+REQUANTIZED_BITS = {"Q4_K": 4, "Q5_K": 5, "Q5_0": 5, "Q5_1": 5,
+                    "Q2_K": 4, "Q3_K": 4, "Q6_K": 8, "IQ4_NL": 8, "IQ4_XS": 8}
 GGML_GROUP_SIZE = 32
 # tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's names for the regexes it uses).
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
