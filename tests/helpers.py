@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 from runner.defaults import DEFAULT_DRAFT
 
@@ -85,11 +86,57 @@ def tiny_sliding_window_model(folder, seed: int = 0):
     return save_model_folder(model, config, folder)
 
 
+def quantize_q4_k(values):
+    """``values`` (float32, rows x a multiple of 256) as Q4_K blocks, the way llama.cpp lays them out (``gguf`` has
+    no K-quant quantizer): per 32 values a 6-bit scale and min under the block's float16 d and dmin, 4-bit levels.
+    Plain rounding (llama.cpp searches for better scales); tested against ``gguf.quants.dequantize``."""
+    import numpy as np
+
+    sub = values.astype(np.float32).reshape(-1, 8, 32)
+    low, high = np.minimum(sub.min(axis=-1), 0), sub.max(axis=-1)
+    scale, offset = (high - low) / 15, -low
+    d = (scale.max(axis=-1) / 63).astype(np.float16)
+    dmin = (offset.max(axis=-1) / 63).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.rint(scale / d.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
+        mn = np.clip(np.nan_to_num(np.rint(offset / dmin.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
+        step = (d.astype(np.float32)[:, None] * sc)[..., None]
+        levels = np.nan_to_num((sub + (dmin.astype(np.float32)[:, None] * mn)[..., None]) / step)
+    levels = np.clip(np.rint(levels), 0, 15).astype(np.uint8)
+    packed = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=-1)
+    runs = levels.reshape(-1, 4, 2, 32)
+    qs = (runs[:, :, 0, :] | (runs[:, :, 1, :] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, qs], axis=-1)
+    return blocks.reshape(values.shape[0], -1)
+
+
+def quantize_q6_k(values):
+    """``values`` (float32, rows x a multiple of 256) as Q6_K blocks: per 16 values an int8 scale under the block's
+    float16 d, 6-bit levels (level - 32). Plain rounding; tested against ``gguf.quants.dequantize``."""
+    import numpy as np
+
+    sub = values.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(sub).max(axis=-1) / 31
+    d = (scale.max(axis=-1) / 127).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.rint(scale / d.astype(np.float32)[:, None])), -128, 127).astype(np.int8)
+        levels = np.nan_to_num(sub / (d.astype(np.float32)[:, None] * sc)[..., None])
+    q = (np.clip(np.rint(levels), -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    low, high = (q & 0x0F).reshape(-1, 2, 2, 64), (q >> 4).reshape(-1, 2, 4, 32)
+    ql = (low[:, :, 0, :] | (low[:, :, 1, :] << 4)).reshape(-1, 128)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(-1, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d[:, None].view(np.uint8)], axis=-1)
+    return blocks.reshape(values.shape[0], -1)
+
+
 def rewrite_gguf(source, destination, new_type):
-    """``source`` again with each tensor in ``new_type(name, type)`` (None: as it is), its metadata unchanged."""
+    """``source`` again with each tensor in ``new_type(name, type, row length)`` (None: as it is), its metadata
+    unchanged; ``gguf``'s quantizers, and the two above for Q4_K and Q6_K."""
     import gguf
     from gguf.quants import dequantize, quantize
 
+    own = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
     reader = gguf.GGUFReader(str(source))
     writer = gguf.GGUFWriter(str(destination), reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
@@ -98,13 +145,48 @@ def rewrite_gguf(source, destination, new_type):
         array = field.types[0] == gguf.GGUFValueType.ARRAY
         writer.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
     for tensor in reader.tensors:
-        kind = new_type(tensor.name, tensor.tensor_type)
+        kind = new_type(tensor.name, tensor.tensor_type, int(tensor.shape[0]))
         if kind is None:
             writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
         else:
-            writer.add_tensor(tensor.name, quantize(dequantize(tensor.data, tensor.tensor_type), kind), raw_dtype=kind)
+            values = dequantize(tensor.data, tensor.tensor_type)
+            writer.add_tensor(tensor.name, own[kind](values) if kind in own else quantize(values, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return destination
+
+
+def differences_from_llama_cpp(source, folder) -> dict:
+    """For every quantized tensor of the GGUF ``source``: (its GGML type, the largest |imported weight - llama.cpp's
+    dequantization|, and that difference in levels of its MLX group), the imported folder's weights read back
+    with ``mx.dequantize`` at the widths its config gives, Q/K rows compared in the importer's order."""
+    import gguf
+    import mlx.core as mx
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from runner.gguf import mlx_name, unpermute_rows
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    weights = mx.load(str(Path(folder) / "model.safetensors"))
+    quantization = config["quantization"]
+    found = {}
+    for tensor in gguf.GGUFReader(str(source)).tensors:
+        if tensor.tensor_type.name in ("F32", "F16", "BF16"):
+            continue
+        expected = dequantize(tensor.data, tensor.tensor_type)
+        if ".attn_q." in tensor.name:
+            expected = unpermute_rows(expected, config["num_attention_heads"])
+        elif ".attn_k." in tensor.name:
+            expected = unpermute_rows(expected, config["num_key_value_heads"])
+        base = mlx_name(tensor.name).removesuffix(".weight")
+        bits = quantization.get(base, quantization)["bits"]
+        scales = weights[f"{base}.scales"]
+        got = mx.dequantize(weights[f"{base}.weight"], scales, weights[f"{base}.biases"], group_size=32, bits=bits)
+        difference = np.abs(np.array(got.astype(mx.float32)) - expected)
+        level = np.repeat(np.abs(np.array(scales.astype(mx.float32))), 32, axis=-1)
+        found[tensor.name] = (tensor.tensor_type.name, float(difference.max()),
+                              float((difference / np.maximum(level, 1e-30)).max()))
+    return found
