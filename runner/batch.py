@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .rewind import leaves
+
 
 def merge(caches: list[list]) -> list:
     """One batched cache per layer from the sessions' own caches (mlx-lm's ``merge`` of each cache class)."""
@@ -85,7 +87,7 @@ def prefill_jointly(sessions: list) -> None:
 def capacity(cache: list) -> tuple:
     """What identifies the buffers of a batched cache: their shapes (a growth or a copy changes them)."""
     shapes = []
-    for layer in cache:
+    for layer in leaves(cache):  # a CacheList's caches one by one
         keys = getattr(layer, "keys", None)
         if keys is not None:
             shapes.append(tuple(keys.shape))

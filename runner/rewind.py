@@ -17,16 +17,20 @@ is full; after that, new tokens overwrite the oldest ones in the window, so the
 was, at the price of a copy of the window; a verification pass of several
 tokens replaces the buffers and copies nothing more) and its offsets.
 
-A cache with layers of any other kind that cannot be trimmed (mlx-lm's
-``CacheList``, say) is not rewindable: ``rewindable`` says so, and the engine
-serves such a model with plain decoding.
+A ``CacheList`` layer (falcon_h1, baichuan_m1: a convolution state and a KV
+cache per layer) is taken apart: each cache in it is trimmed, or kept and
+restored, like a layer of its own (``leaves``).
+
+A cache with layers of any other kind that cannot be trimmed is not
+rewindable: ``rewindable`` says so, and the engine serves such a model with
+plain decoding.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import (ArraysCache, ConcatenateKVCache, KVCache, QuantizedKVCache, RotatingKVCache,
-                                 can_trim_prompt_cache, trim_prompt_cache)
+from mlx_lm.models.cache import (ArraysCache, CacheList, ConcatenateKVCache, KVCache, QuantizedKVCache,
+                                 RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache)
 
 # Layers that can always drop their last tokens (a rotating window cannot once it is full).
 ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
@@ -34,9 +38,17 @@ ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
 RESTORABLE = (ArraysCache, RotatingKVCache)
 
 
+def leaves(cache: list) -> list:
+    """The caches a model's cache list holds, with every ``CacheList`` taken apart into its own caches."""
+    found = []
+    for layer in cache:
+        found.extend(leaves(layer.caches) if isinstance(layer, CacheList) else [layer])
+    return found
+
+
 def rewindable(cache: list) -> bool:
     """Every layer can always be trimmed, or is one whose state can be kept and restored."""
-    return all(isinstance(layer, ALWAYS_TRIMMABLE + RESTORABLE) for layer in cache)
+    return all(isinstance(layer, ALWAYS_TRIMMABLE + RESTORABLE) for layer in leaves(cache))
 
 
 def _kept(layer):
@@ -58,7 +70,7 @@ class Rewinder:
     def __init__(self, model, cache: list):
         self.model = model
         self.cache = cache
-        self.restores = any(isinstance(layer, RESTORABLE) for layer in cache)
+        self.restores = any(isinstance(layer, RESTORABLE) for layer in leaves(cache))
         self._saved: list | None = None
 
     @property
@@ -69,7 +81,7 @@ class Rewinder:
     def snapshot(self) -> None:
         """Before feeding tokens that may be taken back."""
         if self.restores:
-            self._saved = [_kept(layer) if isinstance(layer, RESTORABLE) else None for layer in self.cache]
+            self._saved = [_kept(layer) if isinstance(layer, RESTORABLE) else None for layer in leaves(self.cache)]
 
     def rewind(self, fed: list[int], keep: int) -> None:
         """Keep the first ``keep`` of the ``fed`` tokens given since the snapshot; forget the rest."""
@@ -81,7 +93,7 @@ class Rewinder:
         if self.trimmable:
             trim_prompt_cache(self.cache, drop)
             return
-        for layer, kept in zip(self.cache, saved):
+        for layer, kept in zip(leaves(self.cache), saved):
             if kept is not None:
                 _restore(layer, kept)
             else:

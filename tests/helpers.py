@@ -69,6 +69,26 @@ def tiny_hybrid_model(folder, seed: int = 0):
     return save_model_folder(model, config, folder)
 
 
+def tiny_cache_list_model(folder, seed: int = 0):
+    """A tiny randomly initialised falcon_h1: every layer a Mamba mixer and attention side by side, its cache a
+    ``CacheList`` of a convolution/SSM state (ArraysCache) and a KVCache. The default pair's tokenizer, so the
+    default draft fits it by vocabulary."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.models import falcon_h1
+
+    config = {
+        "model_type": "falcon_h1", "vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+        "mamba_d_ssm": 64, "mamba_n_heads": 2, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_chunk_size": 16,
+        "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    }
+    mx.random.seed(seed)
+    model = falcon_h1.Model(falcon_h1.ModelArgs.from_dict(config))
+    model.update(tree_map(lambda w: w * 4 if w.ndim == 2 else w, model.parameters()))  # clear-cut greedy choices
+    return save_model_folder(model, config, folder)
+
+
 def tiny_sliding_window_model(folder, seed: int = 0):
     """A tiny random llama whose even layers attend through a 64-token sliding window (RotatingKVCache):
     a cache that cannot be rewound once the window is full, so the runner serves it with plain decoding."""

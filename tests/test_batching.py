@@ -191,6 +191,35 @@ def test_requests_that_end_at_the_same_step_leave_the_batch_together():
         worker.join(10)
 
 
+def test_the_batched_release_rule_sees_a_cache_list_grow(tmp_path):
+    """A CacheList layer (falcon_h1) holds its KV cache inside: the batch's growth check looks into it, so the
+    pool is released when that KV cache grows, as for any other model (``runner.batch.capacity``)."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from runner.batch import capacity, merge
+    from tests.helpers import tiny_cache_list_model
+
+    model, _ = load(str(tiny_cache_list_model(tmp_path / "falcon_h1")))
+    caches = []
+    for length in (250, 240):
+        cache = make_prompt_cache(model)
+        model(mx.array([[5] * length]), cache=cache)
+        caches.append(cache)
+    batched = merge(caches)  # buffers of exactly 250 positions: the first step grows them by 256
+
+    def step():
+        model(mx.array([[7], [7]]), cache=batched)
+        mx.eval([layer.state for layer in batched])
+        return capacity(batched)
+
+    grown = step()
+    assert grown and all(shape for shape in grown)  # the KV buffers inside each CacheList are seen
+    shapes = {step() for _ in range(255)}  # up to 506 positions: the same buffers
+    assert shapes == {grown}
+    assert step() != grown  # past them: the KV buffers grew again
+
+
 def test_joint_groups_share_passes_within_their_limits():
     planner = PrefillPlanner(heads=9)  # first chunk 128 tokens, scores up to 64 MB
     assert joint_groups([(40, 15)] * 16, planner) == [list(range(16))]  # 240 tokens: one pass

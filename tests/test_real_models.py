@@ -20,7 +20,8 @@ from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from runner.engine import Engine, EngineSettings
 from runner.protocol import runner_pb2
 from runner.request import GenerationRequest
-from tests.helpers import collect, differences_from_llama_cpp, rewrite_gguf, tiny_sliding_window_model
+from tests.helpers import (collect, differences_from_llama_cpp, rewrite_gguf, tiny_cache_list_model,
+                           tiny_sliding_window_model)
 from tests.processes import RunnerProcess, child_environment
 
 SMOLLM2_PARAMETERS = 134_515_008
@@ -301,6 +302,50 @@ def test_a_sliding_window_model_speculates_past_its_window(tmp_path):
         assert tokens == expected, drafter
     stats = outputs["model"][1]
     assert stats.drafted > 0 and stats.accepted < stats.drafted  # rejections happened, and were rewound
+
+
+def test_a_cache_list_model_speculates_and_batches(tmp_path):
+    """falcon_h1's cache is a CacheList per layer (a Mamba state beside a KV cache): the runner rewinds each
+    cache in it as a layer of its own, so the model speculates, and it decodes in a batch - each request's
+    tokens equal to mlx-lm's greedy ones."""
+    import threading
+
+    folder = tiny_cache_list_model(tmp_path / "falcon_h1")
+    runner = RunnerProcess(tmp_path / "sockets", "--max-batch", "4", target=folder, draft=DEFAULT_DRAFT).wait_serving()
+    prompts = ["The for statement is used to iterate over", "A class definition", "The import statement"]
+    try:
+        info = runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
+        assert info.speculative and info.target.rewindable and info.target.cache == "CacheList"
+        alone = {}
+        for drafter in ("none", "model"):
+            chunks = list(runner.client.generate(timeout=60, prompt=prompts[0], max_tokens=80, ignore_eos=True,
+                                                 drafter=drafter, num_draft_tokens=0 if drafter == "none" else 3))
+            alone[drafter] = ([t for c in chunks for t in c.token_ids], chunks[-1].stats)
+        together = {}
+
+        def client(prompt):
+            chunks = list(runner.client.generate(timeout=120, prompt=prompt, max_tokens=80, ignore_eos=True))
+            together[prompt] = ([t for c in chunks for t in c.token_ids], chunks[-1].stats)
+
+        threads = [threading.Thread(target=client, args=(prompt,)) for prompt in prompts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        assert runner.stop() == 0
+    from mlx_lm import load
+
+    model, tokenizer = load(str(folder))
+    model.set_dtype(mx.float32)
+    expected = {prompt: mlx_lm_greedy(model, tokenizer.encode(prompt), 80) for prompt in prompts}
+    for drafter, (tokens, _) in alone.items():
+        assert tokens == expected[prompts[0]], drafter
+    stats = alone["model"][1]
+    assert stats.drafted > 0 and stats.accepted < stats.drafted  # rejections happened, and were rewound
+    for prompt, (tokens, _) in together.items():
+        assert tokens == expected[prompt], prompt
+    assert sum(stats.depths.get(0, 0) for _, stats in together.values()) > 0  # some steps were batched
 
 
 def test_default_pair_speculates_with_its_draft(engine):
