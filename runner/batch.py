@@ -131,7 +131,7 @@ class Batch:
         self.cache: list | None = None
         self.releases = BatchRelease(release, release_enabled)
         self.steps = 0
-        self.leaves = 0  # times rows left, each one copy of the batched cache
+        self.departures = 0  # times rows left, each one copy of the batched cache
         # The queued step: (chosen tokens, logits, the cache's capacity once it was built), or None.
         self._ahead: tuple[mx.array, mx.array, tuple] | None = None
 
@@ -172,7 +172,7 @@ class Batch:
         for session in sessions:
             session.batched = False
         leaving = set(indices)
-        self.leaves += 1
+        self.departures += 1
         keep = [i for i in range(len(self.rows)) if i not in leaving]
         self.rows = [self.rows[i] for i in keep]
         if keep:

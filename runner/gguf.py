@@ -58,6 +58,7 @@ QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 # own where their groups of 32 share a scale and a bias, wider where they do not.
 REQUANTIZED_BITS = {"Q4_K": 4, "Q5_K": 5, "Q5_0": 5, "Q5_1": 5,
                     "Q2_K": 4, "Q3_K": 4, "Q6_K": 8, "IQ4_NL": 8, "IQ4_XS": 8}
+BITS = {**QUANTIZED_TYPES, **REQUANTIZED_BITS}  # every quantized type imported: the width of its MLX layout
 GGML_GROUP_SIZE = 32
 # tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's names for the regexes it uses).
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -82,15 +83,19 @@ class GGUFImportError(Exception):
 # -- reading ---------------------------------------------------------------------------------------
 
 
-def read_tensor_types(path: Path) -> dict[str, str]:
-    """GGML type name of every tensor, from the file's header (``gguf``, llama.cpp's own reader)."""
+def open_reader(path: Path):
+    """``gguf``'s reader (llama.cpp's own) of the file: its header, metadata and tensors, parsed once."""
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(str(path))
+        return GGUFReader(str(path))
     except Exception as error:  # noqa: BLE001 - any parse failure is a bad file
         load_gguf(path)  # mx.load's message is the clearer one (a file cut short "extends past the end of the file")
         raise GGUFImportError(f"{path}: cannot read the GGUF header: {type(error).__name__}: {error}") from None
+
+
+def tensor_types(reader) -> dict[str, str]:
+    """GGML type name of every tensor."""
     return {t.name: t.tensor_type.name for t in reader.tensors}
 
 
@@ -232,39 +237,33 @@ def requantized(data, kind: str, bits: int) -> dict:
             "scales": mx.array(scale.reshape(rows, -1)), "biases": mx.array(bias.reshape(rows, -1))}
 
 
-def read_tensors(path: Path) -> dict:
-    """Every tensor, read with ``gguf``'s reader, under mx.load's names: float tensors as they are, quantized
-    ones in MLX's affine layout at ``REQUANTIZED_BITS`` (Q4_0/Q4_1/Q8_0 in such a file: at their own bits)."""
+def read_tensors(reader) -> dict:
+    """Every tensor, from ``gguf``'s reader, under mx.load's names: float tensors as they are, quantized ones in
+    MLX's affine layout at their ``BITS``."""
     import mlx.core as mx
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    try:
-        tensors = GGUFReader(str(path)).tensors
-    except Exception as error:  # noqa: BLE001 - any parse failure is a bad file
-        raise GGUFImportError(f"{path}: cannot read the tensors: {type(error).__name__}: {error}") from None
     weights = {}
-    for tensor in tensors:
+    for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         if kind in FLOAT_TYPES:
             values = dequantize(tensor.data, tensor.tensor_type) if kind == "BF16" else tensor.data
             weights[tensor.name] = mx.array(values).reshape(tuple(reversed(tensor.shape.tolist())))
             continue
-        bits = REQUANTIZED_BITS.get(kind) or QUANTIZED_TYPES[kind]
         base = tensor.name.removesuffix(".weight")
-        for suffix, array in requantized(tensor.data, kind, bits).items():
+        for suffix, array in requantized(tensor.data, kind, BITS[kind]).items():
             weights[f"{base}.{suffix}"] = array
     return weights
 
 
-def read_metadata(path: Path) -> dict:
+def read_metadata(reader) -> dict:
     """The key-value metadata as ``mx.load`` gives it: numbers as 0-d arrays, number lists as arrays, strings and
-    string lists as they are (``gguf``'s reader, for files ``mx.load`` cannot read)."""
+    string lists as they are (from ``gguf``'s reader, for files ``mx.load`` cannot read)."""
     import numpy as np
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
 
     metadata = {}
-    for name, field in GGUFReader(str(path)).fields.items():
+    for name, field in reader.fields.items():
         if name.startswith("GGUF."):
             continue
         value = field.contents()
@@ -330,10 +329,10 @@ def check_supported(metadata: dict, types: dict[str, str]) -> None:
         raise GGUFImportError(f"unsupported architecture {arch!r} (this importer handles: "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)})")
     for name, kind in types.items():
-        if kind not in FLOAT_TYPES and kind not in QUANTIZED_TYPES and kind not in REQUANTIZED_BITS:
+        if kind not in FLOAT_TYPES and kind not in BITS:
             raise GGUFImportError(
                 f"unsupported quantization type {kind} (tensor {name}); supported: "
-                f"{', '.join((*FLOAT_TYPES, *QUANTIZED_TYPES, *REQUANTIZED_BITS))}")
+                f"{', '.join((*FLOAT_TYPES, *BITS))}")
 
 
 def mlx_name(gguf_name: str) -> str | None:
@@ -375,8 +374,7 @@ def convert_weights(weights: dict, config: dict) -> dict:
 
 def quantization_entry(types: dict[str, str]) -> dict | None:
     """mlx-lm's ``quantization`` config: the most common width, per-layer entries for the others."""
-    width_of = {**QUANTIZED_TYPES, **REQUANTIZED_BITS}
-    bits = {name: width_of[kind] for name, kind in types.items() if kind in width_of}
+    bits = {name: BITS[kind] for name, kind in types.items() if kind in BITS}
     if not bits:
         return None
     widths = list(bits.values())
@@ -465,14 +463,15 @@ def import_gguf(source: str | Path, out_dir: str | Path) -> Path:
     if not source.is_file():
         raise GGUFImportError(f"{source}: no such file")
     check_magic(source)
-    types = read_tensor_types(source)
+    reader = open_reader(source)
+    types = tensor_types(reader)
     if all(kind in FLOAT_TYPES or kind in QUANTIZED_TYPES for kind in types.values()):
         weights, metadata = load_gguf(source)  # exact; says clearly when the file is cut short
         check_supported(metadata, types)
     else:
-        metadata = read_metadata(source)
+        metadata = read_metadata(reader)
         check_supported(metadata, types)
-        weights = read_tensors(source)
+        weights = read_tensors(reader)
     tokenizer = build_tokenizer(metadata)
     quantization = quantization_entry(types)
     config = model_config(metadata, weights, quantization)

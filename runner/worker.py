@@ -271,23 +271,21 @@ class MlxWorker:
             self.batched_steps += 1
 
     def _deliver_rows(self, rounds: list) -> None:
-        """A batched step's (session, Round) pairs, each to its job; the requests that ended leave together."""
+        """A batched step's (session, Round) pairs, each to its job."""
         jobs = {id(j.session): j for j in self._active}
-        ended = []
-        for session, round_ in rounds:
-            job = jobs[id(session)]
-            if session.done:
-                ended.append((job, round_))
-            else:
+        self._deliver_all([(jobs[id(session)], round_) for session, round_ in rounds])
+
+    def _deliver(self, job: GenerationJob, round_: Round) -> None:
+        self._deliver_all([(job, round_)])
+
+    def _deliver_all(self, delivered: list[tuple[GenerationJob, Round]]) -> None:
+        """Each round to its job; the requests that ended with theirs end together (``_end``)."""
+        ended = [(job, round_) for job, round_ in delivered if job.session.done]
+        for job, round_ in delivered:
+            if not job.session.done:
                 job.rounds.put(round_)
         if ended:
             self._end(ended)
-
-    def _deliver(self, job: GenerationJob, round_: Round) -> None:
-        if job.session.done:
-            self._end([(job, round_)])
-        else:
-            job.rounds.put(round_)
 
     def _end(self, ended: list[tuple[GenerationJob, Round | None]]) -> None:
         """Finish requests: (job, its last round or None). Those in the batch leave it in one go - one copy of

@@ -187,14 +187,14 @@ def differences_from_llama_cpp(source, folder) -> dict:
     import numpy as np
     from gguf.quants import dequantize
 
-    from runner.gguf import mlx_name, unpermute_rows
+    from runner.gguf import FLOAT_TYPES, mlx_name, unpermute_rows
 
     config = json.loads((Path(folder) / "config.json").read_text())
     weights = mx.load(str(Path(folder) / "model.safetensors"))
     quantization = config["quantization"]
     found = {}
     for tensor in gguf.GGUFReader(str(source)).tensors:
-        if tensor.tensor_type.name in ("F32", "F16", "BF16"):
+        if tensor.tensor_type.name in FLOAT_TYPES:
             continue
         expected = dequantize(tensor.data, tensor.tensor_type)
         if ".attn_q." in tensor.name:

@@ -174,11 +174,11 @@ def test_requests_that_end_at_the_same_step_leave_the_batch_together():
         jobs = [worker.submit(engine.prepare(GenerationRequest(prompt_ids=p, max_tokens=n, ignore_eos=True,
                                                                 cache_prompt=keep)))
                 for p, n, keep in ((prompts[0], 40, True), (prompts[1], 40, False), (prompts[2], 100, False))]
-        leaves = worker._batch.leaves
+        departures = worker._batch.departures
         hold.set()
         got = [results(job) for job in jobs]
         assert all(g[2].stats.depths.get(0, 0) >= 30 for g in got)  # all three decoded in the batch
-        assert worker._batch.leaves == leaves + 2  # the two together, then the last one to go on alone
+        assert worker._batch.departures == departures + 2  # the two together, then the last one to go on alone
         assert got[2][0] == expected
         entries = {tuple(e.tokens[:len(p)]): e for e in engine.prompt_cache._entries.values() for p in prompts
                    if tuple(e.tokens[:len(p)]) == p}

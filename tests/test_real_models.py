@@ -123,7 +123,7 @@ def test_each_quantized_type_imports_as_llama_cpp_dequantizes_it(kind):
     import gguf
     from gguf.quants import dequantize
 
-    from runner.gguf import QUANTIZED_TYPES, REQUANTIZED_BITS, requantized
+    from runner.gguf import BITS, requantized
 
     qtype = gguf.GGMLQuantizationType[kind]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
@@ -133,7 +133,7 @@ def test_each_quantized_type_imports_as_llama_cpp_dequantizes_it(kind):
         fields = data.reshape(-1, size)[:, offset:offset + 2]
         fields[:] = rng.uniform(-0.05, 0.05, size=(len(fields), 1)).astype(np.float16).view(np.uint8)
     expected = dequantize(data, qtype)
-    bits = REQUANTIZED_BITS.get(kind) or QUANTIZED_TYPES[kind]
+    bits = BITS[kind]
     parts = requantized(data, kind, bits)
     got = np.array(mx.dequantize(parts["weight"], parts["scales"], parts["biases"], group_size=32, bits=bits))
     assert got.shape == expected.shape == (6, 512)
