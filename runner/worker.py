@@ -153,10 +153,11 @@ class MlxWorker:
                 self.heartbeat = time.monotonic()
                 if self._stopping and not (self._jobs or self._controls or self._active):
                     return
+            self._run_controls()  # before admitting: the jobs queued while a control ran start at this turn too
+            with self._lock:
                 admitted = []
                 while self._room_for_next(admitted):
                     admitted.append(self._jobs.popleft())
-            self._run_controls()
             try:
                 for job in admitted:
                     self._admit(job)
