@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # MKL preload for MLX's CPU backend (runner/cpu_blas.py); empty where MKL is absent.
 WITH_BLAS = env $$($(BIN)/python -m runner.cpu_blas)
 
-.PHONY: install proto test bench models real-model run clean
+.PHONY: install proto test bench models real-model vocabularies run clean
 
 install: $(VENV)/.installed
 
@@ -24,7 +24,11 @@ proto: install
 real-model: install
 	$(BIN)/python models/real_model.py
 
-test: install real-model
+# llama.cpp's tokenizer test vocabularies (from PyPI's llama-cpp-python sdist) into .whl/vocab, for the tests.
+vocabularies: install
+	$(BIN)/python models/gguf_vocabs.py
+
+test: install real-model vocabularies
 	$(WITH_BLAS) $(BIN)/python -m pytest -q
 
 bench: install real-model

