@@ -9,8 +9,8 @@ library from the GGUF vocabulary and merges) and ``tokenizer_config.json``
 and serves here like any other.
 
 What it handles: the llama architecture (Llama 1-3, Mistral, SmolLM, TinyLlama
-and the rest of that family), qwen2 (Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen)
-and qwen3, with F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+and the rest of that family), qwen2 (Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen),
+qwen3 and phi3 (Phi-3 mini), with F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
 IQ4_NL, IQ4_XS and the K-quants (Q2_K to Q6_K: the Q4_K_M, Q5_K_M, Q3_K_M...
 files most GGUF downloads are), and a byte-level BPE (``gpt2``: GPT-2, Llama 3,
 SmolLM) or SentencePiece (``llama``: Llama 1-2, Mistral v0.1, TinyLlama, Phi-3)
@@ -67,12 +67,19 @@ class Architecture:
     permuted_qk: bool  # llama.cpp interleaved the Q/K rows for its RoPE (llama only; Qwen's are as in HF)
     head_dim_key: str | None  # the metadata key giving the head width, where it may differ from hidden / heads
     default_rope_theta: float
+    names: tuple = ()  # (GGUF name, mlx-lm name) pairs that differ from LAYER_NAMES' for this architecture
+
+    def layer_name(self, gguf_name: str) -> str | None:
+        return dict(self.names).get(gguf_name, LAYER_NAMES.get(gguf_name))
 
 
 ARCHITECTURES = {
     "llama": Architecture("llama", "LlamaForCausalLM", True, "rope.dimension_count", 10000.0),
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", False, None, 1000000.0),  # Q/K/V biases
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", False, "attention.key_length", 1000000.0),  # Q/K norms
+    # Phi-3: Q, K and V in one projection, gate and up in another
+    "phi3": Architecture("phi3", "Phi3ForCausalLM", False, None, 10000.0,
+                         (("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # GGML tensor types whose data mx.load returns unchanged (float) or exactly in MLX's affine layout (quantized).
@@ -348,8 +355,14 @@ def model_config(metadata: dict, weights: dict, quantization: dict | None) -> di
         if scaling != "linear":
             raise GGUFImportError(f"unsupported RoPE scaling {scaling!r} (supported: linear)")
         config["rope_scaling"] = {"type": "linear", "factor": float(scalar(metadata, p + "rope.scaling.factor"))}
-    if "rope_freqs.weight" in weights:
-        raise GGUFImportError("unsupported RoPE scaling: per-frequency factors (rope_freqs, Llama 3.1 style)")
+    if "rope_freqs.weight" in weights or "rope_factors_long.weight" in weights:
+        raise GGUFImportError("unsupported RoPE scaling: per-frequency factors (rope_freqs, Llama 3.1 style; "
+                              "rope_factors, Phi-3 128k style)")
+    rotary = scalar(metadata, p + "rope.dimension_count", head_dim) if arch == "phi3" else head_dim
+    if rotary != head_dim:  # Phi-3 may rotate part of each head
+        config["partial_rotary_factor"] = rotary / head_dim
+    if arch == "phi3":
+        config["original_max_position_embeddings"] = config["max_position_embeddings"]
     if quantization is not None:
         config["quantization"] = quantization
         config["quantization_config"] = quantization
@@ -368,11 +381,12 @@ def check_supported(metadata: dict, types: dict[str, str]) -> None:
                 f"{', '.join((*FLOAT_TYPES, *BITS))}")
 
 
-def mlx_name(gguf_name: str) -> str | None:
+def mlx_name(gguf_name: str, arch: str = "llama") -> str | None:
     """mlx-lm's name for a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    layer = ARCHITECTURES[arch].layer_name(parts[2]) if parts[0] == "blk" and len(parts) == 4 else None
+    if layer is not None:
+        return f"model.layers.{parts[1]}.{layer}.{parts[3]}"
     if len(parts) == 2 and parts[0] in TOP_NAMES:
         return f"{TOP_NAMES[parts[0]]}.{parts[1]}"
     return None
@@ -391,7 +405,7 @@ def convert_weights(weights: dict, config: dict) -> dict:
     unknown = []
     for name, array in weights.items():
         base, _, suffix = name.rpartition(".")
-        target = mlx_name(f"{base}.weight")
+        target = mlx_name(f"{base}.weight", config["model_type"])
         if target is None:
             unknown.append(name)
             continue
@@ -407,7 +421,7 @@ def convert_weights(weights: dict, config: dict) -> dict:
     return converted
 
 
-def quantization_entry(types: dict[str, str]) -> dict | None:
+def quantization_entry(types: dict[str, str], arch: str) -> dict | None:
     """mlx-lm's ``quantization`` config: the most common width, per-layer entries for the others."""
     bits = {name: BITS[kind] for name, kind in types.items() if kind in BITS}
     if not bits:
@@ -417,7 +431,7 @@ def quantization_entry(types: dict[str, str]) -> dict | None:
     entry = {"group_size": GGML_GROUP_SIZE, "bits": default}
     for name, width in sorted(bits.items()):
         if width != default:
-            layer = mlx_name(name).removesuffix(".weight")
+            layer = mlx_name(name, arch).removesuffix(".weight")
             entry[layer] = {"group_size": GGML_GROUP_SIZE, "bits": width}
     return entry
 
@@ -609,7 +623,7 @@ def import_gguf(source: str | Path, out_dir: str | Path) -> Path:
         check_supported(metadata, types)
         weights = read_tensors(reader)
     tokenizer = build_tokenizer(metadata)
-    quantization = quantization_entry(types)
+    quantization = quantization_entry(types, metadata["general.architecture"])
     config = model_config(metadata, weights, quantization)
     converted = convert_weights(weights, config)
     out.mkdir(parents=True, exist_ok=True)

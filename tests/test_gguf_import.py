@@ -74,6 +74,7 @@ ARCHITECTURE_CONFIGS = {
     "llama": {"head_dim": 16, "rope_theta": 10000.0},
     "qwen2": {"rope_theta": 1000000.0},  # Q/K/V biases
     "qwen3": {"head_dim": 32, "rope_theta": 1000000.0},  # Q/K norms; heads wider than hidden / heads
+    "phi3": {"rope_theta": 10000.0},  # Q/K/V in one projection, gate and up in another
 }
 
 
