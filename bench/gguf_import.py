@@ -9,9 +9,11 @@ the K and Q5 files; the importer reads them with ``gguf``. For each: import seco
 imported weights are from llama.cpp's own dequantization of the file, and the
 answers to two capital questions (float32 on the CPU, as served).
 
-Then the vocabularies: llama.cpp's vocabulary-only files of four real models
-(``models/gguf_vocabs.py``) tokenized by the importer's tokenizer and by
-transformers' own GGUF tokenizer builder, against llama.cpp's test cases.
+Then the shipped file named in a supervisor config (imported on the first
+load, reused after), and the vocabularies: llama.cpp's vocabulary-only files of
+five real models (``models/gguf_vocabs.py``) tokenized by the importer's
+tokenizer and by transformers' own GGUF tokenizer builder, against llama.cpp's
+test cases.
 """
 
 from __future__ import annotations
@@ -70,7 +72,24 @@ def run() -> None:
             france, germany = answers(out)
             print(f"| {label} | {reader} | {seconds:.1f} s | {size:.0f} MiB | {difference:.2g} | {france} | {germany} |")
     print()
+    named_in_a_config(source)
     vocabularies()
+
+
+def named_in_a_config(source: Path) -> None:
+    """A config naming the GGUF file: the first load imports it (in a child process), later loads reuse it."""
+    from supervisor.config import from_dict
+
+    print("## A GGUF file named in the supervisor's config\n")
+    print("| config load | seconds |")
+    print("| --- | --- |")
+    with tempfile.TemporaryDirectory() as tmp:
+        data = {"gguf_cache_dir": tmp, "models": {"smol": {"target": str(source.resolve())}}}
+        for label in ("first (imports)", "second (reuses)"):
+            started = time.perf_counter()
+            from_dict(data, Path(tmp))
+            print(f"| {label} | {time.perf_counter() - started:.3f} |")
+    print()
 
 
 def transformers_tokenizer(metadata: dict):

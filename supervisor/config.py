@@ -5,10 +5,11 @@
     probe_port = 9464                 # HTTP /healthz /readyz /metrics on 127.0.0.1 (0 = off)
     runtime_dir = "/run/mlxserve"     # runner sockets (default: a private folder under /tmp)
     max_loaded = 2                    # runners alive at once; least recently used idle one is evicted
+    gguf_cache_dir = "/var/cache/mlxserve/gguf"  # where .gguf targets are imported (default: ~/.cache/mlxserve/gguf)
 
     [models.default]
-    target = "models/default/target"
-    draft = "models/default/draft"    # optional
+    target = "models/default/target"  # an mlx-lm folder, or a .gguf file (imported once: supervisor/gguf_cache.py)
+    draft = "models/default/draft"    # optional; a folder or a .gguf file too
     drafter = "model"                 # "model" (the draft), "ngram" (prompt lookup) or "none"; default: model
                                       # when a draft is given, else ngram
     num_draft_tokens = "auto"         # "auto": the depth is chosen round by round; a number pins it
@@ -45,6 +46,8 @@ from runner.defaults import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_GRACE, DEFAUL
                              DEFAULT_MAX_QUEUE,
                              DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER,
                              DEFAULT_TARGET, DTYPES, MAX_NUM_DRAFT_TOKENS, SMOLLM2_DIR)
+
+from .gguf_cache import GGUFCacheError, default_cache_dir, imported_folder
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_HTTP_LISTEN = "127.0.0.1:8080"
@@ -173,16 +176,28 @@ def _folder(key: str, value: str, base: Path) -> Path:
     return path
 
 
-def _model(name: str, table: dict, base: Path) -> ModelConfig:
+def _model_path(key: str, value: str, base: Path, gguf_cache_dir: Path) -> Path:
+    """A model folder, or the folder a .gguf file is imported into (``supervisor.gguf_cache``)."""
+    path = Path(value)
+    path = path if path.is_absolute() else base / path
+    if path.suffix.lower() != ".gguf":
+        return _folder(key, value, base)
+    try:
+        return imported_folder(path, gguf_cache_dir)
+    except GGUFCacheError as error:
+        raise ConfigError(key, str(error)) from None
+
+
+def _model(name: str, table: dict, base: Path, gguf_cache_dir: Path) -> ModelConfig:
     p = f"models.{name}."
     if not isinstance(table, dict):
         raise ConfigError(f"models.{name}", "expected a table")
     table = dict(table)
     if "target" not in table:
         raise ConfigError(f"{p}target", "is required")
-    target = _folder(f"{p}target", _take(table, "target", p, str, ""), base)
+    target = _model_path(f"{p}target", _take(table, "target", p, str, ""), base, gguf_cache_dir)
     draft_value = _take(table, "draft", p, str, "")
-    draft = _folder(f"{p}draft", draft_value, base) if draft_value else None
+    draft = _model_path(f"{p}draft", draft_value, base, gguf_cache_dir) if draft_value else None
     k = table.pop("num_draft_tokens", "auto")
     if k == "auto":
         k = None
@@ -257,11 +272,13 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
     models_table = data.pop("models", None)
     if not isinstance(models_table, dict) or not models_table:
         raise ConfigError("models", "at least one [models.NAME] table is required")
+    gguf_cache_dir = _take(data, "gguf_cache_dir", "", str, "")
+    gguf_cache_dir = (base / gguf_cache_dir) if gguf_cache_dir else default_cache_dir()
     models = {}
     for name, table in models_table.items():
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
             raise ConfigError(f"models.{name}", "names are letters, digits, '.', '_' and '-'")
-        models[name] = _model(name, table, base)
+        models[name] = _model(name, table, base, gguf_cache_dir)
     listen = _take(data, "listen", "", str, DEFAULT_LISTEN)
     allow_remote = _take(data, "allow_remote", "", bool, False)
     if not is_loopback(listen) and not allow_remote:

@@ -4,7 +4,7 @@ import pytest
 
 from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from supervisor.config import ConfigError, default_config, from_dict, load, parse_duration, parse_size
-from tests.processes import serve_expecting_refusal
+from tests.processes import REPO, SupervisorProcess, serve_expecting_refusal, terminate
 
 GOOD = {"models": {"m": {"target": str(DEFAULT_TARGET), "draft": str(DEFAULT_DRAFT)}}}
 
@@ -102,3 +102,45 @@ def test_public_generate_request_shares_the_runner_fields():
         return {(f.name, f.number, f.type, f.has_presence) for f in descriptor.fields if f.name not in skip}
 
     assert fields(supervisor_pb2.GenerateRequest.DESCRIPTOR, skip=("model",)) == fields(runner_pb2.GenerateRequest.DESCRIPTOR)
+
+
+SMOLLM2_GGUF = REPO / ".whl" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # from make real-model
+
+
+def test_a_gguf_target_is_imported_once_and_reused(tmp_path):
+    """A model's target may be a .gguf file: the config imports it into the GGUF cache folder once (in a child
+    process), and a later load finds that folder and imports nothing."""
+    data = {"gguf_cache_dir": "cache", "models": {"smol": {"target": str(SMOLLM2_GGUF)}}}
+    folder = from_dict(data, tmp_path).models["smol"].target
+    assert folder.parent == tmp_path / "cache" and folder.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    written = (folder / "model.safetensors").stat().st_mtime_ns
+    assert from_dict(data, tmp_path).models["smol"].target == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == written  # not imported again
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [folder.name]  # no partial folder left
+
+
+def test_a_gguf_the_importer_refuses_is_a_config_error_naming_the_key(tmp_path):
+    truncated = tmp_path / "cut.gguf"
+    with open(SMOLLM2_GGUF, "rb") as f:
+        truncated.write_bytes(f.read(5_000_000))
+    data = {"gguf_cache_dir": "cache", "models": {"m": {"target": str(DEFAULT_TARGET), "draft": str(truncated)}}}
+    with pytest.raises(ConfigError) as error:
+        from_dict(data, tmp_path)
+    assert error.value.key == "models.m.draft" and "extends past the end of the file" in str(error.value)
+    assert not any((tmp_path / "cache").iterdir())  # the cut-short import left nothing behind
+    with pytest.raises(ConfigError, match="no such file"):
+        from_dict({"models": {"m": {"target": str(tmp_path / "missing.gguf")}}}, tmp_path)
+
+
+def test_the_supervisor_serves_a_gguf_file_named_in_its_config(tmp_path):
+    """What a user with a GGUF download does: name the file in the config and ask the model."""
+    supervisor = SupervisorProcess(tmp_path, f'[models.smol]\ntarget = "{SMOLLM2_GGUF}"\n',
+                                   gguf_cache_dir=str(tmp_path / "cache")).wait_ready(180)
+    try:
+        reply = supervisor.openai().chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12,
+            temperature=0)
+    finally:
+        assert terminate(supervisor.process, 30) == 0
+    assert "Paris" in reply.choices[0].message.content

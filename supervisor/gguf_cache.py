@@ -1,0 +1,76 @@
+"""GGUF files named in the config: imported once into mlx-lm folders the runners load.
+
+A model's ``target`` (or ``draft``) may be a ``.gguf`` file. When the config is
+loaded, the supervisor imports it with the GGUF importer (``python -m
+runner.gguf``, in a child process: the supervisor itself never loads MLX) into
+``<gguf_cache_dir>/<file stem>-<key>``, where the key hashes the file's resolved
+path, size and modification time. So a file is imported once and reused at every
+start after; a file changed in place gets a new folder.
+
+The importer writes into a temporary folder beside the final one, which is renamed
+into place only when the import has finished: an import cut short (killed, disk
+full) is never taken for a finished one, and the next start imports again. An
+importer refusal (an architecture, quantization type or vocabulary it does not
+handle) comes back as a ``GGUFCacheError`` carrying the importer's one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class GGUFCacheError(ValueError):
+    """The file could not be imported; the message says why in one line."""
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mlxserve" / "gguf"
+
+
+def folder_for(source: Path, cache_dir: Path) -> Path:
+    """Where ``source`` is (or will be) imported: its stem and a key of its path, size and modification time."""
+    stat = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir / f"{source.stem}-{key}"
+
+
+def imported_folder(source: Path, cache_dir: Path) -> Path:
+    """The mlx-lm folder imported from the GGUF file ``source``, importing it first if it is not there yet."""
+    if not source.is_file():
+        raise GGUFCacheError(f"no such file: {source}")
+    folder = folder_for(source, cache_dir)
+    if (folder / "config.json").is_file():
+        return folder
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise GGUFCacheError(f"cannot create {cache_dir}: {error.strerror}") from None
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    for leftover in (partial, folder):  # the folder without config.json is no finished import
+        shutil.rmtree(leftover, ignore_errors=True)
+    log.info("importing %s into %s (once: later starts reuse it)", source, folder)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "runner.gguf", str(source), str(partial)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        lines = done.stderr.strip().splitlines() or [f"the importer exited with status {done.returncode}"]
+        raise GGUFCacheError(lines[-1].removeprefix("runner.gguf: "))
+    try:
+        partial.rename(folder)
+    except OSError:  # another supervisor finished the same import first
+        shutil.rmtree(partial, ignore_errors=True)
+        if not (folder / "config.json").is_file():
+            raise
+    log.info("imported %s in %.1f s", source.name, time.monotonic() - started)
+    return folder
