@@ -581,6 +581,7 @@ def add_special_tokens(tokenizer, metadata: dict) -> None:
 
 def tokenizer_config(metadata: dict) -> dict:
     tokens = metadata["tokenizer.ggml.tokens"]
+    add_bos, add_eos = bos_eos(metadata)
 
     def token(key):
         value = metadata.get(key)
@@ -592,8 +593,8 @@ def tokenizer_config(metadata: dict) -> dict:
         "eos_token": token("tokenizer.ggml.eos_token_id"),
         "unk_token": token("tokenizer.ggml.unknown_token_id"),
         "pad_token": token("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bos_eos(metadata)[0],
-        "add_eos_token": bos_eos(metadata)[1],
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(scalar(metadata, f"{metadata['general.architecture']}.context_length", 2048)),
     }

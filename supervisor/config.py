@@ -166,9 +166,7 @@ def _take(table: dict, key: str, prefix: str, kind, default):
     return value
 
 
-def _folder(key: str, value: str, base: Path) -> Path:
-    path = Path(value)
-    path = path if path.is_absolute() else base / path
+def _folder(key: str, path: Path) -> Path:
     if not path.is_dir():
         raise ConfigError(key, f"no such folder: {path}")
     if not (path / "config.json").is_file():
@@ -181,7 +179,7 @@ def _model_path(key: str, value: str, base: Path, gguf_cache_dir: Path) -> Path:
     path = Path(value)
     path = path if path.is_absolute() else base / path
     if path.suffix.lower() != ".gguf":
-        return _folder(key, value, base)
+        return _folder(key, path)
     try:
         return imported_folder(path, gguf_cache_dir)
     except GGUFCacheError as error:

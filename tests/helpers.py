@@ -214,78 +214,63 @@ def differences_from_llama_cpp(source, folder) -> dict:
 
 def tiny_gguf(destination, vocabulary, architecture: str = "llama", *, chat_template: str | None = None,
               seed: int = 0):
-    """A GGUF of ``architecture`` (llama, or qwen2 with its Q/K/V biases) with random weights (2 layers, hidden
-    64; Q8_0 projections, F16 the embedding, F32 the rest) and the vocabulary, special tokens, flags and chat
-    template of the vocabulary-only GGUF ``vocabulary`` (llama.cpp's ``ggml-vocab-*.gguf``), as a real model of
-    that vocabulary's family carries them."""
+    """A GGUF of a random mlx-lm model of ``architecture`` (2 layers, hidden 64; Q8_0 projections, F16 the
+    embedding) written as llama.cpp writes one (``gguf_like_llama_cpp``), with the vocabulary, special tokens,
+    flags and chat template of the vocabulary-only GGUF ``vocabulary`` (llama.cpp's ``ggml-vocab-*.gguf``), as a
+    real model of that vocabulary's family carries them."""
+    import importlib
+
     import gguf
-    import numpy as np
-    from gguf.quants import quantize
+    import mlx.core as mx
 
     reader = gguf.GGUFReader(str(vocabulary))
-    writer = gguf.GGUFWriter(str(destination), architecture)
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer.") and not (name == "tokenizer.chat_template" and chat_template is not None):
-            array = field.types[0] == gguf.GGUFValueType.ARRAY
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
-    vocab, hidden, heads, kv_heads, ffn = len(reader.fields["tokenizer.ggml.tokens"].contents()), 64, 4, 2, 128
-    head_dim = hidden // heads
-    writer.add_block_count(2)
-    writer.add_context_length(512)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab)
-    rng = np.random.default_rng(seed)
-
-    def random(*shape, scale=0.2):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    writer.add_tensor("token_embd.weight", random(vocab, hidden).astype(np.float16))
-    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    shapes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
-              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
-              "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
-    for layer in range(2):
-        for name, shape in shapes.items():
-            writer.add_tensor(f"blk.{layer}.{name}.weight", quantize(random(*shape), gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            if architecture == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
-                writer.add_tensor(f"blk.{layer}.{name}.bias", random(shape[0], scale=1.0))
-        for name in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{layer}.{name}.weight", 1 + random(hidden, scale=0.1))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return destination
+    config = {"model_type": architecture, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+              "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data), "max_position_embeddings": 512,
+              "rope_theta": 10000.0, "tie_word_embeddings": True}
+    module = importlib.import_module(f"mlx_lm.models.{architecture}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.update(redrawn(model.parameters()))
+    return gguf_like_llama_cpp(model, config, reader, destination, chat_template=chat_template, quantized=True)
 
 
-def gguf_like_llama_cpp(model, config: dict, vocabulary, destination):
+def redrawn(parameters):
+    """Every parameter drawn again from N(0, 0.2), norms around one: no zero biases or unit norms, which would let
+    a misplaced tensor go unseen."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+
+    def draw(path, array):
+        values = mx.random.normal(array.shape) * 0.2
+        return 1 + values * 0.5 if path.endswith("norm.weight") or "layernorm" in path else values
+
+    return tree_map_with_path(draw, parameters)
+
+
+def gguf_like_llama_cpp(model, config: dict, vocabulary, destination, *, chat_template: str | None = None,
+                        quantized: bool = False):
     """``model`` (an mlx-lm model, Hugging Face's layout) written to GGUF as llama.cpp's ``convert_hf_to_gguf.py``
     writes it: tensor names from ``gguf``'s own name map, llama's Q/K rows permuted for llama.cpp's RoPE
-    (``LlamaModel.permute``), float32 tensors, the architecture's hyperparameters under its keys, and the
-    tokenizer of the vocabulary-only GGUF ``vocabulary``."""
+    (``LlamaModel.permute``), the architecture's hyperparameters under its keys, and the tokenizer (and chat
+    template, unless ``chat_template`` replaces it) of ``vocabulary``, a ``gguf.GGUFReader`` of a vocabulary-only
+    GGUF. Tensors are float32, or with ``quantized`` the projections Q8_0 and the embedding F16."""
     import gguf
     import mlx.core as mx
     import numpy as np
+    from gguf.quants import quantize
     from mlx.utils import tree_flatten
 
     arch = config["model_type"]
     kind = next(kind for kind, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(kind, config["num_hidden_layers"])
-    reader = gguf.GGUFReader(str(vocabulary))
     writer = gguf.GGUFWriter(str(destination), arch)
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
+    for name, field in vocabulary.fields.items():
+        if name.startswith("tokenizer.") and not (name == "tokenizer.chat_template" and chat_template is not None):
             array = field.types[0] == gguf.GGUFValueType.ARRAY
             writer.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if array else None)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -312,9 +297,29 @@ def gguf_like_llama_cpp(model, config: dict, vocabulary, destination):
             data = permute(data, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             data = permute(data, kv_heads)
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(data))
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if quantized and name.endswith("_proj.weight"):
+            writer.add_tensor(gguf_name, quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif quantized and name.endswith("embed_tokens.weight"):
+            writer.add_tensor(gguf_name, data.astype(np.float16))
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return destination
+
+
+def mlx_lm_greedy(model, prompt_ids, max_tokens: int) -> tuple[list[int], list[float]]:
+    """mlx-lm's greedy tokens, and at each step the gap between its two most likely tokens' log-probabilities."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    tokens, gaps = [], []
+    for token, logprobs in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
+        second, first = mx.sort(logprobs)[-2:].tolist()
+        tokens.append(token)
+        gaps.append(first - second)
+    return tokens, gaps

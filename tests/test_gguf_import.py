@@ -16,10 +16,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from gguf import GGUFReader
 
 from runner.gguf import build_tokenizer, open_reader, read_metadata
 from runner.protocol import runner_pb2
-from tests.helpers import gguf_like_llama_cpp, tiny_gguf
+from tests.helpers import gguf_like_llama_cpp, mlx_lm_greedy, redrawn, tiny_gguf
 from tests.processes import REPO, RunnerProcess, child_environment
 
 VOCAB_DIR = REPO / ".whl" / "vocab"
@@ -60,10 +61,11 @@ def test_an_imported_vocabulary_tokenizes_as_its_model_does(name):
     kind, wants_bos = VOCABULARIES[name]
     assert metadata["tokenizer.ggml.model"] == kind
     tokenizer = build_tokenizer(metadata)
-    wrong = [(text, ids, tokenizer.encode(text, add_special_tokens=False).ids) for text, ids in reference_cases(name)]
+    cases = reference_cases(name)
+    wrong = [(text, ids, tokenizer.encode(text, add_special_tokens=False).ids) for text, ids in cases]
     wrong = [case for case in wrong if case[1] != case[2]]
     assert not wrong, wrong[:3]
-    for text, ids in reference_cases(name):
+    for text, ids in cases:
         assert tokenizer.decode(ids) == text
     bos = int(metadata["tokenizer.ggml.bos_token_id"])
     first = tokenizer.encode("Hello world").ids
@@ -96,7 +98,7 @@ def test_a_model_written_as_llama_cpp_writes_it_imports_back_unchanged(tmp_path,
     mx.random.seed(3)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.update(redrawn(model.parameters()))  # biases and norms non-trivial, as trained ones are
-    gguf_file = gguf_like_llama_cpp(model, config, vocabulary("gpt-2"), tmp_path / "model.gguf")
+    gguf_file = gguf_like_llama_cpp(model, config, GGUFReader(str(vocabulary("gpt-2"))), tmp_path / "model.gguf")
     done = subprocess.run([sys.executable, "-m", "runner.gguf", str(gguf_file), str(tmp_path / "imported")],
                           capture_output=True, text=True, timeout=300, env=child_environment())
     assert done.returncode == 0, done.stderr
@@ -107,18 +109,6 @@ def test_a_model_written_as_llama_cpp_writes_it_imports_back_unchanged(tmp_path,
     expected, got = model(tokens), imported(tokens)
     assert mx.abs(expected - got).max().item() < 1e-4
     assert (expected.argmax(-1) == got.argmax(-1)).all().item()
-
-
-def redrawn(parameters):
-    """Every parameter drawn again from N(0, 0.2), norms around one: no zero biases or unit norms, which would let
-    a misplaced tensor go unseen."""
-    from mlx.utils import tree_map_with_path
-
-    def draw(path, array):
-        values = mx.random.normal(array.shape) * 0.2
-        return 1 + values * 0.5 if path.endswith("norm.weight") or "layernorm" in path else values
-
-    return tree_map_with_path(draw, parameters)
 
 
 @pytest.mark.parametrize("vocab_name, architecture", [("llama-spm", "llama"), ("qwen2", "qwen2")])
@@ -169,15 +159,3 @@ def test_a_gguf_imports_and_serves_a_chat(tmp_path, vocab_name, architecture):
     assert "".join(c.text for c in chunks) == tokenizer.decode(tokens)
     # A raw prompt: <s> ▁Hello ▁world for Llama 2 (BOS from the tokenizer); "Hello", " world" for Qwen (no BOS).
     assert plain[-1].stats.prompt_tokens == (3 if vocab_name == "llama-spm" else 2)
-
-
-def mlx_lm_greedy(model, prompt_ids, max_tokens: int) -> tuple[list[int], list[float]]:
-    """mlx-lm's greedy tokens, and at each step the gap between its two most likely tokens' log-probabilities."""
-    from mlx_lm.generate import generate_step
-
-    tokens, gaps = [], []
-    for token, logprobs in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens):
-        second, first = mx.sort(logprobs)[-2:].tolist()
-        tokens.append(token)
-        gaps.append(first - second)
-    return tokens, gaps

@@ -20,8 +20,8 @@ from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from runner.engine import Engine, EngineSettings
 from runner.protocol import runner_pb2
 from runner.request import GenerationRequest
-from tests.helpers import (collect, differences_from_llama_cpp, rewrite_gguf, tiny_cache_list_model,
-                           tiny_sliding_window_model)
+from tests.helpers import (collect, differences_from_llama_cpp, mlx_lm_greedy, rewrite_gguf,
+                           tiny_cache_list_model, tiny_sliding_window_model)
 from tests.processes import RunnerProcess, child_environment
 
 SMOLLM2_PARAMETERS = 134_515_008
@@ -39,12 +39,6 @@ def chat_prompt(folder, messages) -> str:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     return load_tokenizer(folder).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def mlx_lm_greedy(model, prompt_ids, max_tokens: int) -> list[int]:
-    from mlx_lm.generate import generate_step
-
-    return [token for token, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens)]
 
 
 # -- the imported folder ------------------------------------------------------------------------------
@@ -303,7 +297,7 @@ def test_a_sliding_window_model_speculates_past_its_window(tmp_path):
 
     model, tokenizer = load(str(folder))
     model.set_dtype(mx.float32)
-    expected = mlx_lm_greedy(model, tokenizer.encode(prompt), 150)  # past the 64-token window
+    expected = mlx_lm_greedy(model, tokenizer.encode(prompt), 150)[0]  # past the 64-token window
     for drafter, (tokens, stats) in outputs.items():
         assert tokens == expected, drafter
     stats = outputs["model"][1]
@@ -344,7 +338,7 @@ def test_a_cache_list_model_speculates_and_batches(tmp_path):
 
     model, tokenizer = load(str(folder))
     model.set_dtype(mx.float32)
-    expected = {prompt: mlx_lm_greedy(model, tokenizer.encode(prompt), 80) for prompt in prompts}
+    expected = {prompt: mlx_lm_greedy(model, tokenizer.encode(prompt), 80)[0] for prompt in prompts}
     for drafter, (tokens, _) in alone.items():
         assert tokens == expected[prompts[0]], drafter
     stats = alone["model"][1]
