@@ -3,8 +3,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# MKL preload for MLX's CPU backend (runner/cpu_blas.py); empty where MKL is absent.
-WITH_BLAS = env $$($(BIN)/python -m runner.cpu_blas)
+# MKL preload for MLX's CPU backend (common/cpu_blas.py); empty where MKL is absent.
+WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
 
 .PHONY: install proto test bench models real-model vocabularies run clean
 

@@ -1,6 +1,6 @@
 import sys
 
-from runner.cpu_blas import reexec_with_fast_blas
+from common.cpu_blas import reexec_with_fast_blas
 
 SECTIONS = ("speculation", "runner", "supervisor", "real_model", "gguf_import", "prompt_cache", "batching")
 

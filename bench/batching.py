@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from runner.defaults import SMOLLM2_DIR
+from common.defaults import SMOLLM2_DIR
 
 CLIENTS = (1, 2, 4, 8, 16, 32)
 PROMPT = "The for statement is used to iterate over the elements of a sequence"

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from runner.defaults import SMOLLM2_DIR
+from common.defaults import SMOLLM2_DIR
 
 QUESTIONS = ("What is the capital of France?", "What is the capital of Germany?")
 

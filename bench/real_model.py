@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runner.defaults import SMOLLM2_DIR
+from common.defaults import SMOLLM2_DIR
 
 GENERATED = 128
 SYSTEM = ("You are a careful assistant. Answer in plain English, in short paragraphs, and say so when you are not "
@@ -26,7 +26,7 @@ MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": Q
 
 MLX_LM_SIDE = r"""
 import json, resource, sys, time
-from runner.cpu_blas import reexec_with_fast_blas
+from common.cpu_blas import reexec_with_fast_blas
 reexec_with_fast_blas()
 import mlx.core as mx
 from mlx_lm import load
@@ -61,7 +61,7 @@ def mlx_lm_side(dtype: str) -> dict:
 def runner_side(dtype: str) -> dict:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from runner.protocol import runner_pb2
+    from common.protocol import runner_pb2
     from tests.processes import RunnerProcess
 
     prompt = load_tokenizer(SMOLLM2_DIR).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
@@ -70,9 +70,9 @@ def runner_side(dtype: str) -> dict:
                                name="smollm2").wait_serving(300)
         try:
             last = None
-            for last in runner.client.generate(timeout=900, prompt=prompt, max_tokens=GENERATED, ignore_eos=True):
+            for last in common.client.generate(timeout=900, prompt=prompt, max_tokens=GENERATED, ignore_eos=True):
                 pass
-            memory = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5)
+            memory = common.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5)
         finally:
             runner.stop()
     s = last.stats

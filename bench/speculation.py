@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
 
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from runner.engine import Engine, EngineSettings
 from runner.loading import load_model
 from runner.request import GenerationRequest, end_of_turn_ids

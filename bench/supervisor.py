@@ -11,9 +11,9 @@ from pathlib import Path
 
 import psutil
 
-from runner.client import RunnerClient
-from runner.cpu_blas import fast_blas_environment
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from common.client import RunnerClient
+from common.cpu_blas import fast_blas_environment
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from runner.engine import Engine
 from supervisor.client import SupervisorClient
 

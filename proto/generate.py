@@ -3,8 +3,8 @@
     python proto/generate.py [OUTPUT_ROOT]
 
 Each ``NAME.proto`` is compiled as if it lived in the package that uses it
-(``runner.protocol`` or ``supervisor.protocol``), so the generated modules
-import each other as ``from runner.protocol import ...`` and never as a
+(``common.protocol`` or ``supervisor.protocol``), so the generated modules
+import each other as ``from common.protocol import ...`` and never as a
 top-level ``proto`` package.
 """
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PACKAGES = {"runner.proto": "runner/protocol", "supervisor.proto": "supervisor/protocol"}
+PACKAGES = {"runner.proto": "common/protocol", "supervisor.proto": "supervisor/protocol"}
 
 
 def generate(output_root: Path) -> list[Path]:

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from .cpu_blas import reexec_with_fast_blas
+from common.cpu_blas import reexec_with_fast_blas
 
 EXIT_BAD_START = 2
 EXIT_ENGINE_FAILURE = 70
@@ -27,7 +27,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from .defaults import (DEFAULT_GRACE, DEFAULT_MAX_BATCH, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_NGRAM_MAX,
+    from common.defaults import (DEFAULT_GRACE, DEFAULT_MAX_BATCH, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_QUEUE, DEFAULT_NGRAM_MAX,
                            DEFAULT_NGRAM_MIN, DEFAULT_PREFILL_CHUNK, DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER,
                            DTYPES, MAX_NUM_DRAFT_TOKENS)
 
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     die_with_parent(args.parent_pid or os.getppid())
 
     from .engine import Engine, EngineSettings
-    from .errors import ModelLoadError
+    from common.errors import ModelLoadError
     from .server import RunnerServer, RunnerService
 
     stopping = threading.Event()  # set by threads (engine failure)

@@ -71,7 +71,7 @@ def prefill_jointly(sessions: list) -> None:
     by_model: dict[int, tuple] = {}
     sizes = []
     for session in sessions:
-        parts = session.decoder.prefill_parts()
+        parts = session.prefill_parts()
         sizes.append(max(len(tokens) for _, _, tokens, _ in parts))
         for model, cache, tokens, done in parts:
             by_model.setdefault(id(model), (model, []))[1].append((cache, tokens, done))
@@ -139,14 +139,14 @@ class Batch:
         return len(self.rows)
 
     def join(self, sessions: list) -> None:
-        """Sessions whose decoders hold a settled cache (prompt in, pending token not yet fed).
+        """Sessions whose caches are settled (prompt in, pending token not yet fed): each hands its cache over
+        (``Session.join_batch``).
 
         The batch must be settled first (no queued step: the newcomers have no part in it)."""
         assert self._ahead is None, "settle the batch before rows join"
         caches = []
         for session in sessions:
-            caches.append(session.decoder.hand_over())
-            session.batched = True
+            caches.append(session.join_batch())
         joined = merge(caches)
         if self.cache is None:
             self.cache = joined
@@ -159,18 +159,17 @@ class Batch:
 
     def leave(self, sessions: list, give_back: list[bool]) -> None:
         """Remove rows, all in one copy of the batched cache; ``give_back[i]`` returns ``sessions[i]`` its own
-        cache (to go on alone or feed the prompt cache)."""
+        cache (to go on alone or feed the prompt cache; ``Session.leave_batch``)."""
         indices = [self.rows.index(s) for s in sessions]
         for session, index, own_back in zip(sessions, indices, give_back):
+            own = None
             if own_back:
                 own = [layer.extract(index) for layer in self.cache]
                 if self._ahead is not None:  # the queued step fed its pending token: not its to keep
                     for layer in own:
                         layer.trim(1)
                 mx.eval([layer.state for layer in own])  # a lazy copy would keep the whole batch's buffers alive
-                session.decoder.take_back(own)
-        for session in sessions:
-            session.batched = False
+            session.leave_batch(own)
         leaving = set(indices)
         self.departures += 1
         keep = [i for i in range(len(self.rows)) if i not in leaving]
@@ -192,10 +191,10 @@ class Batch:
         """Build one batched forward pass of ``inputs`` (one token a row) and each row's choice after it."""
         rows = self.rows
         logits = self.model(inputs, cache=self.cache)[:, -1, :]
-        if all(s.decoder.params.greedy for s in rows):
+        if all(s.greedy for s in rows):
             chosen = mx.argmax(logits, axis=-1)
         else:  # each row by its own rule; a sampling row draws its next key, as alone
-            chosen = mx.stack([s.decoder.choose_next(logits[i]) for i, s in enumerate(rows)])
+            chosen = mx.stack([s.choose_next(logits[i]) for i, s in enumerate(rows)])
         return chosen, logits, capacity(self.cache)
 
     def _deliver(self, chosen: mx.array, logits: mx.array) -> list:
@@ -203,9 +202,7 @@ class Batch:
         self.steps += 1
         rounds = []
         for i, (session, token) in enumerate(zip(self.rows, tokens)):
-            session.decoder.fed_by_batch([token])
-            session.decoder.stats.depths[0] += 1
-            rounds.append((session, session.take([token], 0, 0, logits[i : i + 1])))
+            rounds.append((session, session.batch_step(token, logits[i : i + 1])))
         return rounds
 
     def settle(self) -> list:
@@ -223,7 +220,7 @@ class Batch:
 
         The next step is queued before this one's tokens are read (caches that can be trimmed only)."""
         if self._ahead is None:
-            inputs = mx.array([[s.decoder.pending] for s in self.rows], dtype=mx.uint32)
+            inputs = mx.array([[s.pending] for s in self.rows], dtype=mx.uint32)
             self._ahead = self._forward(inputs)
             mx.async_eval(self._ahead[0])
         chosen, logits, shape = self._ahead

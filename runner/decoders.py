@@ -129,6 +129,11 @@ class Decoder:
         self.pending = tokens[-1]
         self.held = len(self.tokens) - 1
 
+    @property
+    def drafter_name(self) -> str:
+        """What proposes its drafts: "none" for a plain decoder."""
+        return "none"
+
     def step(self, budget: int) -> Step:
         """One round: never more than ``budget`` tokens."""
         raise NotImplementedError
@@ -215,6 +220,10 @@ class SpeculativeDecoder(Decoder):
         self.depth = depth
         self.rewinder = Rewinder(model, self.cache)
         self._last_end: float | None = None
+
+    @property
+    def drafter_name(self) -> str:
+        return self.drafter.name
 
     def _prefill_models(self):
         yield from super()._prefill_models()

@@ -18,7 +18,7 @@ mlx-lm's ``speculative_generate_step`` never releases the pool while decoding
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -27,18 +27,20 @@ import psutil
 
 from .batch_memory import CacheCost
 from .decoders import Decoder, PlainDecoder, SpeculativeDecoder
-from .defaults import (DEFAULT_DTYPE, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
+from common.defaults import (DEFAULT_DTYPE, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
                        DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES,
                        DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER)
 from .depth import DepthController, FixedDepth
 from .drafters import DRAFTERS, ModelDrafter, NgramDrafter
-from .errors import InvalidRequest, TokenizerMismatch
-from .footprint import ModelFootprint, default_prompt_cache_bytes, expected_device, resolve_dtype
+from common.errors import InvalidRequest, TokenizerMismatch
+from common.footprint import ModelFootprint, default_prompt_cache_bytes, expected_device, resolve_dtype
 from .loading import LoadedModel, load_model
 from .malloc import malloc_trim
 from .prefill import PrefillPlanner
 from .prompt_cache import Hit, PromptCache
+from .release import ReleaseSchedule
 from .request import GenerationRequest, PreparedRequest, prepare
+from .results import Round
 from .session import Session
 
 log = logging.getLogger("runner")
@@ -67,89 +69,6 @@ class EngineSettings:
     prompt_cache_bytes: int | None = None  # the prompt cache's budget; None = default_prompt_cache_bytes(), 0 = off
     malloc_trim: bool = True  # give freed heap back to the system after each pool release (glibc)
     batch_memory: int | None = None  # bytes the batched caches may take (runner.batch_memory); None = no limit
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    time_to_first_token: float = 0.0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    releases: int = 0
-    release_positions: list[int] = field(default_factory=list)
-    active_memory: int = 0
-    cache_memory: int = 0
-    peak_memory: int = 0
-    prefill_chunks: list[int] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens reused from the prompt cache
-    drafter: str = "none"  # what proposed the drafts
-    depths: dict[int, int] = field(default_factory=dict)  # draft depth -> rounds at that depth
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_round(self) -> float:
-        return self.generated_tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-    @property
-    def prefill_tokens_per_second(self) -> float:
-        return (self.prompt_tokens - 1) / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
-
-
-@dataclass
-class TokenLogprob:
-    token: int
-    text: str
-    logprob: float
-    top: list[tuple[int, str, float]] = field(default_factory=list)  # most likely first
-
-
-@dataclass
-class Round:
-    """What one round emitted. The last round carries finish_reason and stats."""
-
-    token_ids: list[int]
-    text: str
-    drafted: int = 0
-    accepted: int = 0
-    finish_reason: str | None = None  # "stop", "length" or "cancelled"
-    stats: GenerationStats | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asks
-
-
-def token_logprobs(tokenizer, logits: mx.array, tokens: list[int], top: int) -> list[TokenLogprob]:
-    """Log-probabilities of ``tokens`` under the rows of ``logits`` that chose them (row i for token i),
-    and the ``top`` most likely tokens of each row. The target's raw distribution: no temperature or filters."""
-    if not tokens:
-        return []
-    rows = logits[: len(tokens)].astype(mx.float32)
-    logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)[:, 0]
-    top_ids = top_values = None
-    if top:
-        top_ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
-        top_values = mx.take_along_axis(logprobs, top_ids, axis=-1)
-        mx.eval(chosen, top_ids, top_values)
-    else:
-        mx.eval(chosen)
-    result = []
-    for i, (token, value) in enumerate(zip(tokens, chosen.tolist())):
-        alternatives = []
-        if top:
-            pairs = sorted(zip(top_ids[i].tolist(), top_values[i].tolist()), key=lambda p: -p[1])
-            alternatives = [(t, tokenizer.decode([t]), v) for t, v in pairs]
-        result.append(TokenLogprob(token, tokenizer.decode([token]), value, alternatives))
-    return result
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -326,6 +245,15 @@ class Engine:
         return PrefillPlanner(heads, self.settings.prefill_chunk, self.settings.prefill_seconds,
                               self.settings.prefill_score_bytes if self.device == "cpu" else None)
 
+    def session(self, prepared: PreparedRequest) -> Session:
+        """A session for one prepared request, from its parts: the decoder (on the caches a prompt-cache hit
+        gives), the release schedule, the prefill planner, and the prompt cache to keep its caches at the end."""
+        reuse = self.prompt_cache.lookup(prepared.prompt_ids) if prepared.cache_prompt else Hit(0, None)
+        return Session(prepared, self.decoder(prepared, reuse), tokenizer=self.tokenizer, cached_tokens=reuse.tokens,
+                       schedule=ReleaseSchedule(self.release_memory, self.settings.release_interval,
+                                                self.settings.release_enabled),
+                       planner=self.prefill_planner(), keep=self.prompt_cache.store if prepared.cache_prompt else None)
+
     def decoder(self, prepared: PreparedRequest, reuse: Hit) -> Decoder:
         """The decoder for one request: plain, or speculative with its drafter and depth."""
         request = prepared.request
@@ -356,7 +284,7 @@ class Engine:
         where the caller shows progress, and it ends the generation by returning True.
         """
         prepared = request if isinstance(request, PreparedRequest) else self.prepare(request)
-        session = Session(self, prepared)
+        session = self.session(prepared)
         last = None
         try:
             while not session.prefill_chunk():

@@ -1,6 +1,6 @@
 """Loading one mlx-lm model folder: any architecture mlx-lm knows, in the dtype the device wants.
 
-``dtype`` is resolved once per runner (``runner.footprint.resolve_dtype``):
+``dtype`` is resolved once per runner (``common.footprint.resolve_dtype``):
 - ``checkpoint`` keeps the folder's form: quantized layers stay quantized,
   bfloat16/float16 stays as stored;
 - ``float32`` dequantizes quantized layers (``mx.dequantize`` into plain
@@ -19,8 +19,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import dequantize_model, get_total_parameters
 
-from .errors import ModelLoadError
-from .footprint import context_length
+from common.errors import ModelLoadError
+from common.footprint import context_length
 from .rewind import rewindable
 from .row_padding import applies as row_padding_applies, pad_single_rows
 

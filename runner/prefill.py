@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 
-from .defaults import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES, DEFAULT_STALL_AFTER, MIN_PREFILL_CHUNK
+from common.defaults import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES, DEFAULT_STALL_AFTER, MIN_PREFILL_CHUNK
 
 PROBE_CHUNK = 128
 JOINT_TOKENS = 2 * PROBE_CHUNK  # the most tokens (rows x width) one shared prefill pass takes

@@ -11,8 +11,8 @@ import math
 import secrets
 from dataclasses import dataclass
 
-from .defaults import MAX_NUM_DRAFT_TOKENS
-from .errors import InvalidRequest
+from common.defaults import MAX_NUM_DRAFT_TOKENS
+from common.errors import InvalidRequest
 from .sampling import SamplingParams
 
 MAX_STOP_STRINGS = 64

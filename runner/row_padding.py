@@ -21,7 +21,7 @@ its own, so the kept row is the product of the one input row; tests check
 that greedy output does not change.
 
 ``applies()`` says whether to use it: the CPU device with MKL preloaded
-(``runner.cpu_blas``). ``MLXSERVE_ROW_PADDING=0`` or ``=1`` overrides that.
+(``common.cpu_blas``). ``MLXSERVE_ROW_PADDING=0`` or ``=1`` overrides that.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import cpu_blas
+from common import cpu_blas
 
 ENV = "MLXSERVE_ROW_PADDING"
 

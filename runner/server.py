@@ -20,14 +20,15 @@ from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from . import __version__
-from .defaults import CHANNEL_OPTIONS, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_STALL_AFTER
-from .engine import Engine, GenerationStats, Round
-from .errors import NotReady
+from common import __version__
+from common.defaults import CHANNEL_OPTIONS, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_STALL_AFTER
+from .engine import Engine
+from .results import GenerationStats, Round
+from common.errors import NotReady
 from .loading import LoadedModel
 from .request import GenerationRequest
-from .status import ServiceError, StatusInterceptor
-from .protocol import runner_pb2, runner_pb2_grpc
+from common.status import ServiceError, StatusInterceptor
+from common.protocol import runner_pb2, runner_pb2_grpc
 from .worker import MlxWorker
 
 log = logging.getLogger("runner")

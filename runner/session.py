@@ -5,9 +5,17 @@ prepared request, its decoder (the model-side state, ``runner.decoders``), its
 stopping criteria, its release schedule and its stats. It advances in units the
 MLX thread can interleave with other requests: one prefill chunk
 (``prefill_chunk``), one round of its own decoder when it runs alone
-(``solo_round``), or the tokens a batched step chose for it (``take``, see
-``runner.batch``). ``final_round`` ends it: stats, the prompt cache, the
+(``solo_round``), or the token a batched step chose for it (``batch_step``,
+see ``runner.batch``). ``final_round`` ends it: stats, the prompt cache, the
 end-of-request pool release.
+
+The session is the one owner of its request's state. Its decoder and caches change
+hands only through its own methods: ``join_batch`` gives its cache to a ``Batch``,
+``batch_step`` takes the token a batched step chose for it, ``leave_batch`` takes its
+cache back (or lets it go). ``Batch`` and ``MlxWorker`` talk to sessions, never to
+their decoders. The engine builds a session from its parts (``Engine.session``): the
+decoder, the release schedule, the prefill planner, and where its caches go at the
+end; the session never sees the engine.
 """
 
 from __future__ import annotations
@@ -17,42 +25,41 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .decoders import SpeculativeDecoder
-from .prompt_cache import Hit
+from .decoders import Decoder
+from .prefill import PrefillPlanner
 from .release import ReleaseSchedule
+from .request import PreparedRequest
+from .results import GenerationStats, Round, token_logprobs
 from .stopping import StoppingCriteria
 
 
 class Session:
-    def __init__(self, engine, prepared):
-        from .engine import GenerationStats
-
-        self.engine = engine
+    def __init__(self, prepared: PreparedRequest, decoder: Decoder, *, tokenizer, cached_tokens: int,
+                 schedule: ReleaseSchedule, planner: PrefillPlanner, keep=None):
+        """``cached_tokens``: what the decoder's caches hold of the prompt already (a prompt-cache hit);
+        ``keep(tokens, caches)``: where its caches go when it ends (the prompt cache), or None."""
         self.prepared = prepared
-        self.reuse = engine.prompt_cache.lookup(prepared.prompt_ids) if prepared.cache_prompt else Hit(0, None)
-        self.decoder = engine.decoder(prepared, self.reuse)
-        self.stopping = StoppingCriteria(engine.tokenizer, prepared.eos_ids, prepared.request.stop,
-                                         prepared.max_tokens)
-        self.schedule = ReleaseSchedule(engine.release_memory, engine.settings.release_interval,
-                                        engine.settings.release_enabled)
-        drafter = self.decoder.drafter.name if isinstance(self.decoder, SpeculativeDecoder) else "none"
-        self.stats = GenerationStats(prompt_tokens=len(prepared.prompt_ids), cached_tokens=self.reuse.tokens,
-                                     drafter=drafter)
-        self.planner = engine.prefill_planner()
+        self._decoder = decoder
+        self._tokenizer = tokenizer
+        self._keep = keep
+        self.stopping = StoppingCriteria(tokenizer, prepared.eos_ids, prepared.request.stop, prepared.max_tokens)
+        self.schedule = schedule
+        self.stats = GenerationStats(prompt_tokens=len(prepared.prompt_ids), cached_tokens=cached_tokens,
+                                     drafter=decoder.drafter_name)
+        self.planner = planner
         mx.reset_peak_memory()
         self.start = time.perf_counter()
         self.prefilled = False
         self.finish_reason: str | None = None
         self.final = None  # the final Round, once there is one
-        self.batched = False  # its cache lives in a Batch
-        self.last_text_round = None
+        self._in_batch = False  # its cache lives in a Batch
 
     # -- prefill ------------------------------------------------------------------------------------
 
     def prefill_chunk(self) -> bool:
         """Run one chunk of the prompt; True once the whole prompt (but its last token) is in."""
         if not self.prefilled:
-            self.prefilled = self.decoder.prefill_step(self.planner, sizes=self.stats.prefill_chunks)
+            self.prefilled = self._decoder.prefill_step(self.planner, sizes=self.stats.prefill_chunks)
             if self.prefilled:
                 self.stats.prefill_seconds = time.perf_counter() - self.start
         return self.prefilled
@@ -62,11 +69,15 @@ class Session:
         other requests' (``runner.prefill.joint_groups``): every cache of plain KV layers; else None."""
         if self.prefilled:
             return None
-        parts = self.decoder.prefill_parts()
+        parts = self._decoder.prefill_parts()
         if not parts or not all(type(layer) is KVCache for _, cache, _, _ in parts for layer in cache):
             return None
         remaining = max(len(tokens) for _, _, tokens, _ in parts)
         return len(self.prepared.prompt_ids) - 1 - remaining, remaining
+
+    def prefill_parts(self) -> list[tuple]:
+        """What each of its models still lacks of the prompt (``Decoder.prefill_parts``), for a shared pass."""
+        return self._decoder.prefill_parts()
 
     def prefilled_jointly(self, size: int) -> None:
         """``runner.batch.prefill_jointly`` put the last ``size`` tokens of its prompt in."""
@@ -84,15 +95,66 @@ class Session:
     def budget(self) -> int:
         return self.prepared.max_tokens - self.stats.generated_tokens
 
-    def solo_round(self):
+    def solo_round(self) -> Round:
         """One round of its own decoder (plain or speculative)."""
-        step = self.decoder.step(self.budget)
-        return self.take(step.tokens, step.drafted, step.accepted, step.logits)
+        assert not self._in_batch, "a session in a batch decodes through it"
+        step = self._decoder.step(self.budget)
+        return self._take(step.tokens, step.drafted, step.accepted, step.logits)
 
-    def take(self, tokens: list[int], drafted: int, accepted: int, logits):
+    # -- in a batch (runner.batch) ------------------------------------------------------------------
+
+    @property
+    def in_batch(self) -> bool:
+        return self._in_batch
+
+    @property
+    def greedy(self) -> bool:
+        return self._decoder.params.greedy
+
+    @property
+    def pending(self) -> int:
+        """The last token chosen, which its cache has not seen yet: the batch feeds it next."""
+        return self._decoder.pending
+
+    @property
+    def keeps_cache(self) -> bool:
+        """Whether its caches go to the prompt cache when it ends (so a batch gives them back)."""
+        return self._keep is not None
+
+    def settle(self) -> Round | None:
+        """Before joining a batch: the round of a token its pipelined decoder has queued, if any, so its cache
+        holds exactly every token but ``pending``."""
+        step = self._decoder.settle()
+        return None if step is None else self._take(step.tokens, 0, 0, step.logits)
+
+    def join_batch(self) -> list:
+        """Its cache, for the batch to merge in (after ``settle``); the batch decodes it from now on."""
+        assert not self._in_batch, "already in a batch"
+        self._in_batch = True
+        return self._decoder.hand_over()
+
+    def choose_next(self, logits: mx.array) -> mx.array:
+        """Its token after a batched step's row ``logits`` (lazy): its own sampling rule and random key."""
+        return self._decoder.choose_next(logits)
+
+    def batch_step(self, token: int, logits: mx.array) -> Round:
+        """A batched step fed ``pending`` and chose ``token`` (``logits``: its row, (1, vocab))."""
+        self._decoder.fed_by_batch([token])
+        self._decoder.stats.depths[0] += 1
+        return self._take([token], 0, 0, logits)
+
+    def leave_batch(self, cache: list | None) -> None:
+        """Out of the batch: ``cache`` is its own again (extracted, every token but ``pending``), to go on
+        alone or for the prompt cache; None when the batch kept it (it ends without one)."""
+        assert self._in_batch, "not in a batch"
+        self._in_batch = False
+        if cache is not None:
+            self._decoder.take_back(cache)
+
+    # -- the end ------------------------------------------------------------------------------------
+
+    def _take(self, tokens: list[int], drafted: int, accepted: int, logits) -> Round:
         """The tokens a round chose, through the stopping criteria; returns the Round to stream."""
-        from .engine import Round, token_logprobs
-
         emitted, delta = [], ""
         for token in tokens:
             decision = self.stopping(token)
@@ -102,7 +164,7 @@ class Session:
             if decision.finish_reason is not None:
                 self.finish_reason = decision.finish_reason
                 break
-        logprobs = (token_logprobs(self.engine.tokenizer, logits, emitted, self.prepared.top_logprobs)
+        logprobs = (token_logprobs(self._tokenizer, logits, emitted, self.prepared.top_logprobs)
                     if self.prepared.logprobs else [])
         stats = self.stats
         before = stats.generated_tokens
@@ -112,7 +174,7 @@ class Session:
         stats.accepted += accepted
         if stats.rounds == 1:
             stats.time_to_first_token = time.perf_counter() - self.start
-        if not self.batched:  # a batch releases for all its rows (runner.batch)
+        if not self._in_batch:  # a batch releases for all its rows (runner.batch)
             self.schedule.after_round(before, stats.generated_tokens)
         return Round(emitted, delta, drafted, accepted, logprobs=logprobs)
 
@@ -123,8 +185,8 @@ class Session:
     def abandon(self) -> None:
         """An error ends it: no prompt-cache entry (its caches may be half-written), the pool released."""
         try:
-            if self.decoder.cache is not None:
-                self.decoder.close()
+            if self._decoder.cache is not None:
+                self._decoder.close()
         finally:
             self.schedule.at_end()
 
@@ -134,16 +196,14 @@ class Session:
         ``last`` is the round that ended it (its text gets the held-back tail); a cancelled request
         ends with an empty round.
         """
-        from .engine import Round
-
         if self.final is not None:
             return self.final
         stats = self.stats
         try:
-            if self.prepared.cache_prompt and not self.batched and self.decoder.cache is not None:
-                self.engine.prompt_cache.store(*self.decoder.cached_state())
-            stats.depths = dict(self.decoder.stats.depths)
-            self.decoder.close()
+            if self._keep is not None and not self._in_batch and self._decoder.cache is not None:
+                self._keep(*self._decoder.cached_state())
+            stats.depths = dict(self._decoder.stats.depths)
+            self._decoder.close()
         finally:
             self.schedule.at_end()
         if not stats.prefill_seconds:

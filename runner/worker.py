@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 
 from .batch import Batch, prefill_jointly
 from .batch_memory import BatchMemory
-from .engine import Engine, Round
-from .errors import EngineError, QueueFull, WorkerStopped
+from .engine import Engine
+from common.errors import EngineError, QueueFull, WorkerStopped
 from .prefill import joint_groups
 from .request import PreparedRequest
+from .results import Round
 from .session import Session
 
 log = logging.getLogger("runner")
@@ -197,7 +198,7 @@ class MlxWorker:
             return
         log.info("request %s: start", job.request.request_id or "-")
         try:
-            job.session = Session(self.engine, job.request)
+            job.session = self.engine.session(job.request)
         except EngineError as error:
             job.rounds.put(error)
             job.rounds.put(None)
@@ -249,7 +250,7 @@ class MlxWorker:
 
     def _solo(self, job: GenerationJob) -> None:
         session = job.session
-        if session.batched:  # the last of a batch: its own cache back, speculating again
+        if session.in_batch:  # the last of a batch: its own cache back, speculating again
             self._deliver_rows(self._batch.settle())  # its token the batch has queued
             if session.done:
                 return
@@ -258,11 +259,11 @@ class MlxWorker:
         self._deliver(job, round_)
 
     def _batched(self, decoding: list[GenerationJob]) -> None:
-        newcomers = [j for j in decoding if not j.session.batched]
+        newcomers = [j for j in decoding if not j.session.in_batch]
         for job in newcomers:  # a token its pipelined decoder has queued comes out before it joins
-            step = job.session.decoder.settle()
-            if step is not None:
-                self._deliver(job, job.session.take(step.tokens, 0, 0, step.logits))
+            round_ = job.session.settle()
+            if round_ is not None:
+                self._deliver(job, round_)
         newcomers = [j for j in newcomers if not j.session.done]
         if newcomers:
             self._deliver_rows(self._batch.settle())  # the queued step has no row for them
@@ -291,9 +292,9 @@ class MlxWorker:
     def _end(self, ended: list[tuple[GenerationJob, Round | None]]) -> None:
         """Finish requests: (job, its last round or None). Those in the batch leave it in one go - one copy of
         the batched cache for all of them, not one each (a burst of equal requests ends at the same step)."""
-        leaving = [job.session for job, _ in ended if job.session.batched]
+        leaving = [job.session for job, _ in ended if job.session.in_batch]
         if leaving:
-            self._batch.leave(leaving, give_back=[s.prepared.cache_prompt for s in leaving])
+            self._batch.leave(leaving, give_back=[s.keeps_cache for s in leaving])
         for job, last in ended:
             final = job.session.final_round(last)
             job.rounds.put(final)
@@ -308,7 +309,7 @@ class MlxWorker:
     def _fail(self, job: GenerationJob, error: BaseException) -> None:
         session = job.session
         if session is not None:
-            if session.batched:
+            if session.in_batch:
                 try:
                     self._batch.leave([session], give_back=[False])
                 except Exception:  # noqa: BLE001 - the batch goes with the runner

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runner.client import HealthCheckedClient
+from common.client import HealthCheckedClient
 
 from .protocol import supervisor_pb2, supervisor_pb2_grpc
 

@@ -42,7 +42,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner.defaults import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_GRACE, DEFAULT_MAX_BATCH, DEFAULT_MAX_DRAFT_TOKENS,
+from common.defaults import (DEFAULT_DRAFT, DEFAULT_DTYPE, DEFAULT_GRACE, DEFAULT_MAX_BATCH, DEFAULT_MAX_DRAFT_TOKENS,
                              DEFAULT_MAX_QUEUE,
                              DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER,
                              DEFAULT_TARGET, DTYPES, MAX_NUM_DRAFT_TOKENS, SMOLLM2_DIR)

@@ -6,7 +6,7 @@ its runner, streams the runner's chunks and records the metrics. When the
 runner dies under a request that has not streamed anything yet, the request
 waits for the restart and is sent again (at most ``MAX_RESENDS`` times);
 once a chunk has gone out, the client gets the failure instead, naming the
-model and the cause. Every failure is a ``ServiceError`` (``runner.status``),
+model and the cause. Every failure is a ``ServiceError`` (``common.status``),
 which each API turns into its own status.
 """
 
@@ -18,8 +18,8 @@ import time
 
 import grpc
 
-from runner.protocol import runner_pb2
-from runner.status import Code, ServiceError
+from common.protocol import runner_pb2
+from common.status import Code, ServiceError
 
 from .runners import ManagedRunner, State
 
@@ -88,7 +88,7 @@ class Generation:
             timeout = self.remaining()
             with self.sup.scheduler.acquire(self.model, timeout=timeout) as runner:
                 started = time.perf_counter()
-                call = runner.client.stub.Generate(self._forwarded(), timeout=self.remaining())
+                call = common.client.stub.Generate(self._forwarded(), timeout=self.remaining())
                 runner.track(call)
                 self._active = (runner, call)
                 if self._cancelled.is_set():

@@ -7,7 +7,7 @@
 Streaming answers are server-sent events, ``data: {json}`` each, ending with
 ``data: [DONE]``. Every request takes the same internal path as the gRPC
 Generate (``Supervisor.generate``), and every error the same mapping to a
-status (``runner.status``), here as an HTTP status with OpenAI's error shape:
+status (``common.status``), here as an HTTP status with OpenAI's error shape:
 ``{"error": {"message", "type", "param", "code"}}``. Unknown request fields are
 ignored; malformed or wrong-typed ones are a 400 naming the field. A client that
 disconnects cancels its generation, which stops within one round.
@@ -35,9 +35,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runner.protocol import runner_pb2
-from runner.status import Code, ServiceError, openai_error, status_of
+from common.protocol import runner_pb2
+from common.status import Code, ServiceError, status_of
 
+from .http_errors import openai_error
 from .protocol import supervisor_pb2
 
 log = logging.getLogger("supervisor")

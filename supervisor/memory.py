@@ -11,7 +11,7 @@ Per model, on every sample (default once a second):
   the hard limit, so a runner that needs its memory is not restarted in a loop.
 
 Before a runner starts, ``admit`` checks the system's available memory
-against what the model will need (``runner.footprint``: the weights as they
+against what the model will need (``common.footprint``: the weights as they
 will sit in memory, the KV caches of the whole context, the prefill's transient
 and the runtime), and refuses instead of risking the OOM killer.
 """
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import grpc
 import psutil
 
-from runner.footprint import (Estimate, FootprintError, ModelFootprint, default_prompt_cache_bytes, estimate,
+from common.footprint import (Estimate, FootprintError, ModelFootprint, default_prompt_cache_bytes, estimate,
                               expected_device, resolve_dtype)
-from runner.protocol import runner_pb2
+from common.protocol import runner_pb2
 
 from .config import ModelConfig
 from .runners import ManagedRunner, State
@@ -152,7 +152,7 @@ def prompt_cache_budget(model: ModelConfig, needed: Estimate | None, available: 
     """The prompt cache's byte budget for a model.
 
     Set in the config: that. Otherwise an eighth of the machine's memory, at most 4 GiB
-    (``runner.footprint.default_prompt_cache_bytes``) - and no more than the room above the
+    (``common.footprint.default_prompt_cache_bytes``) - and no more than the room above the
     model's estimate: up to its memory limit when it has one (the soft limit if set, else half
     the way to the hard limit), so a full cache alone never pushes the runner over it; else
     what the machine has available at load, half of it, so the cache of a model admitted into
@@ -242,9 +242,9 @@ class MemoryWatch:
         sample = sample_tree(pid, self._count, memory.current or Sample(0, 0, 0))
         memory.history.append(sample)
         memory.peak_rss = max(memory.peak_rss, sample.rss)
-        if runner.state == State.SERVING and runner.client is not None:
+        if runner.state == State.SERVING and common.client is not None:
             try:
-                m = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=0.5)
+                m = common.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=0.5)
                 memory.mlx = MlxFigures(m.active, m.cache, m.peak, m.releases, m.peak_rss, m.prompt_cache)
                 memory.peak_rss = max(memory.peak_rss, m.peak_rss)
             except grpc.RpcError:
@@ -268,7 +268,7 @@ class MemoryWatch:
             memory.last_soft_release = now
             try:
                 # The prompt cache goes first: its buffers then leave with the pool.
-                released = runner.client.stub.ReleaseMemory(runner_pb2.ReleaseMemoryRequest(prompt_cache=True),
+                released = common.client.stub.ReleaseMemory(runner_pb2.ReleaseMemoryRequest(prompt_cache=True),
                                                             timeout=5)
             except grpc.RpcError as error:
                 log.warning("model %s: ReleaseMemory failed: %s", runner.name, error.details())

@@ -29,9 +29,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
-from runner.client import RunnerClient
-from runner.cpu_blas import fast_blas_environment
-from runner.protocol import runner_pb2
+from common.client import RunnerClient
+from common.cpu_blas import fast_blas_environment
+from common.protocol import runner_pb2
 
 from .config import ModelConfig, SupervisorConfig
 

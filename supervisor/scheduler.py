@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from runner.status import ServiceError
+from common.status import ServiceError
 
 from .config import SupervisorConfig
 from .memory import AdmissionRefused, Estimates, admit, batch_memory_budget, free_memory, prompt_cache_budget

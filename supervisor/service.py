@@ -13,9 +13,9 @@ import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from runner import __version__
-from runner.defaults import CHANNEL_OPTIONS
-from runner.status import StatusInterceptor
+from common import __version__
+from common.defaults import CHANNEL_OPTIONS
+from common.status import StatusInterceptor
 
 from .config import SupervisorConfig
 from .generation import Generation

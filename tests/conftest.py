@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from runner.engine import Engine, EngineSettings
 
 

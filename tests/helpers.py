@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from runner.defaults import DEFAULT_DRAFT
+from common.defaults import DEFAULT_DRAFT
 
 
 def collect(rounds):
@@ -34,7 +34,7 @@ def save_model_folder(model, config: dict, folder):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from runner.defaults import DEFAULT_TARGET
+    from common.defaults import DEFAULT_TARGET
 
     mx.eval(model.parameters())
     folder.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from runner.client import RunnerClient
-from runner.cpu_blas import fast_blas_environment
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from common.client import RunnerClient
+from common.cpu_blas import fast_blas_environment
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 
 REPO = Path(__file__).resolve().parent.parent
 

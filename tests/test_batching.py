@@ -14,7 +14,7 @@ import time
 import mlx.core as mx
 import pytest
 
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from runner.engine import CACHE_LIMIT_UNBOUNDED, Engine, EngineSettings
 from runner.prefill import PrefillPlanner, joint_groups
 from runner.request import GenerationRequest

@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from runner.defaults import SMOLLM2_DIR
-from runner.protocol import runner_pb2
+from common.defaults import SMOLLM2_DIR
+from common.protocol import runner_pb2
 from supervisor.protocol import supervisor_pb2
 from tests.processes import SupervisorProcess, child_environment, model_toml, wait_until
 

@@ -85,7 +85,7 @@ def test_stop_string_never_seen_streams_everything(engine, plain_600):
 
 def test_eos_stops_generation_and_is_not_emitted(plain_600):
     """Declare a token the target really emits as end-of-sequence: generation stops before it."""
-    from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+    from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
     from runner.engine import Engine
 
     plain_tokens, _, _ = plain_600

@@ -4,9 +4,9 @@ import shutil
 
 import pytest
 
-from runner.defaults import DEFAULT_TARGET
+from common.defaults import DEFAULT_TARGET
 from runner.engine import Engine, GenerationRequest
-from runner.errors import InvalidRequest, ModelLoadError, TokenizerMismatch
+from common.errors import InvalidRequest, ModelLoadError, TokenizerMismatch
 from tests.helpers import draft_with_swapped_vocabulary
 
 

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from runner.engine import CACHE_LIMIT_UNBOUNDED, Engine, EngineSettings, GenerationRequest
 
 GENERATED = 3000

@@ -1,4 +1,4 @@
-"""The memory estimate (runner.footprint) against what real runners measure when they fill their context."""
+"""The memory estimate (common.footprint) against what real runners measure when they fill their context."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from runner.batch_memory import BatchMemory, CacheCost
-from runner.defaults import DEFAULT_TARGET, SMOLLM2_DIR
-from runner.footprint import Estimate, ModelFootprint, default_prompt_cache_bytes, estimate
+from common.defaults import DEFAULT_TARGET, SMOLLM2_DIR
+from common.footprint import Estimate, ModelFootprint, default_prompt_cache_bytes, estimate
 from runner.loading import load_model
 from supervisor.config import ModelConfig
 from supervisor.memory import batch_memory_budget, prompt_cache_budget

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from runner.engine import Engine, EngineSettings
 from runner.prompt_cache import PromptCache, common_prefix
 from runner.request import GenerationRequest

@@ -15,10 +15,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner.cpu_blas import mkl_library
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
+from common.cpu_blas import mkl_library
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from runner.engine import Engine, EngineSettings
-from runner.protocol import runner_pb2
+from common.protocol import runner_pb2
 from runner.request import GenerationRequest
 from tests.helpers import (collect, differences_from_llama_cpp, mlx_lm_greedy, rewrite_gguf,
                            tiny_cache_list_model, tiny_sliding_window_model)
@@ -221,7 +221,7 @@ def test_smollm2_answers_a_chat_prompt(smollm2_runner, smollm2):
 
 MLX_LM_GREEDY = """
 import json, sys
-from runner.cpu_blas import reexec_with_fast_blas
+from common.cpu_blas import reexec_with_fast_blas
 reexec_with_fast_blas()
 import mlx.core as mx
 from mlx_lm import load
@@ -263,11 +263,11 @@ def test_a_draft_with_another_vocabulary_is_refused_at_start_up(smollm2, tmp_pat
 def test_max_context_lowers_the_context(tmp_path):
     runner = RunnerProcess(tmp_path / "sockets", "--max-context", "512").wait_serving()
     try:
-        assert runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5).target.context_length == 512
+        assert common.client.stub.Info(runner_pb2.InfoRequest(), timeout=5).target.context_length == 512
         with pytest.raises(grpc.RpcError) as caught:
-            list(runner.client.generate(timeout=30, prompt_ids=[7] * 600, max_tokens=4))
+            list(common.client.generate(timeout=30, prompt_ids=[7] * 600, max_tokens=4))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context of 512" in caught.value.details()
-        chunks = list(runner.client.generate(timeout=30, prompt_ids=[7] * 500, max_tokens=100, ignore_eos=True))
+        chunks = list(common.client.generate(timeout=30, prompt_ids=[7] * 500, max_tokens=100, ignore_eos=True))
         assert chunks[-1].stats.generated_tokens == 12  # the room left in the context
         assert chunks[-1].finish_reason == runner_pb2.FINISH_REASON_LENGTH
     finally:
@@ -284,11 +284,11 @@ def test_a_sliding_window_model_speculates_past_its_window(tmp_path):
     runner = RunnerProcess(tmp_path / "sockets", target=folder, draft=DEFAULT_DRAFT).wait_serving()
     prompt = "The for statement is used to iterate over"
     try:
-        info = runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
+        info = common.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
         assert info.speculative and info.target.rewindable and "RotatingKVCache" in info.target.cache
         outputs = {}
         for drafter in ("none", "model", "ngram"):
-            chunks = list(runner.client.generate(timeout=60, prompt=prompt, max_tokens=150, ignore_eos=True,
+            chunks = list(common.client.generate(timeout=60, prompt=prompt, max_tokens=150, ignore_eos=True,
                                                  drafter=drafter, num_draft_tokens=0 if drafter == "none" else 3))
             outputs[drafter] = ([t for c in chunks for t in c.token_ids], chunks[-1].stats)
     finally:
@@ -314,17 +314,17 @@ def test_a_cache_list_model_speculates_and_batches(tmp_path):
     runner = RunnerProcess(tmp_path / "sockets", "--max-batch", "4", target=folder, draft=DEFAULT_DRAFT).wait_serving()
     prompts = ["The for statement is used to iterate over", "A class definition", "The import statement"]
     try:
-        info = runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
+        info = common.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
         assert info.speculative and info.target.rewindable and info.target.cache == "CacheList"
         alone = {}
         for drafter in ("none", "model"):
-            chunks = list(runner.client.generate(timeout=60, prompt=prompts[0], max_tokens=80, ignore_eos=True,
+            chunks = list(common.client.generate(timeout=60, prompt=prompts[0], max_tokens=80, ignore_eos=True,
                                                  drafter=drafter, num_draft_tokens=0 if drafter == "none" else 3))
             alone[drafter] = ([t for c in chunks for t in c.token_ids], chunks[-1].stats)
         together = {}
 
         def client(prompt):
-            chunks = list(runner.client.generate(timeout=120, prompt=prompt, max_tokens=80, ignore_eos=True))
+            chunks = list(common.client.generate(timeout=120, prompt=prompt, max_tokens=80, ignore_eos=True))
             together[prompt] = ([t for c in chunks for t in c.token_ids], chunks[-1].stats)
 
         threads = [threading.Thread(target=client, args=(prompt,)) for prompt in prompts]

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runner.defaults import DEFAULT_TARGET
+from common.defaults import DEFAULT_TARGET
 from supervisor.client import SupervisorClient
 from supervisor.protocol import supervisor_pb2
 from tests.processes import SupervisorProcess, model_toml, serve_expecting_refusal, wait_until
@@ -366,8 +366,8 @@ def test_public_port_already_in_use(tmp_path):
 
 def test_runner_exit_code_1_mid_stream(tmp_path):
     """Runner exits with code 1 mid-stream (a debug RPC stands in for a fatal error): the client is told, restart."""
-    from runner.client import RunnerClient
-    from runner.protocol import runner_pb2
+    from common.client import RunnerClient
+    from common.protocol import runner_pb2
 
     sup = SupervisorProcess(tmp_path, model_toml("frail", debug_rpcs=True)).wait_ready()
     try:

@@ -7,8 +7,9 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from runner import cpu_blas, row_padding
-from runner.defaults import DEFAULT_TARGET
+from common import cpu_blas
+from runner import row_padding
+from common.defaults import DEFAULT_TARGET
 from runner.loading import load_model
 
 

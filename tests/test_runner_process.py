@@ -9,7 +9,7 @@ import sys
 
 import psutil
 
-from runner.defaults import DEFAULT_TARGET
+from common.defaults import DEFAULT_TARGET
 from tests.helpers import draft_with_swapped_vocabulary
 from tests.processes import REPO, RunnerProcess, child_environment
 
@@ -18,7 +18,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
     runner = RunnerProcess(tmp_path / "sockets").wait_serving()
     assert stat.S_IMODE(os.stat(runner.socket).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(runner.socket.parent).st_mode) == 0o700
-    call = runner.client.generate(timeout=60, prompt="x", max_tokens=200, ignore_eos=True)
+    call = common.client.generate(timeout=60, prompt="x", max_tokens=200, ignore_eos=True)
     next(call)
     runner.process.send_signal(signal.SIGTERM)
     chunks = list(call)  # in-flight work finishes inside the grace period
@@ -52,7 +52,7 @@ def test_runner_exits_when_its_parent_is_killed(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", INTERMEDIATE, *args], stdout=subprocess.PIPE,
                               env=child_environment(), text=True)
     runner_pid = int(parent.stdout.readline())
-    from runner.client import RunnerClient
+    from common.client import RunnerClient
     assert RunnerClient(f"unix://{sockets}/r.sock").wait_serving(60)
     runner = psutil.Process(runner_pid)
     parent.kill()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from runner.decoders import PlainDecoder, SpeculativeDecoder
-from runner.defaults import DEFAULT_DRAFT, SMOLLM2_DIR
+from common.defaults import DEFAULT_DRAFT, SMOLLM2_DIR
 from runner.depth import DepthController, FixedDepth
 from runner.drafters import NgramDrafter
 from runner.engine import Engine, EngineSettings

@@ -230,7 +230,7 @@ def test_lru_eviction_and_keep_alive(tmp_path):
 def test_runner_that_cannot_start_ends_failed_while_the_other_serves(tmp_path):
     import shutil
 
-    from runner.defaults import DEFAULT_TARGET
+    from common.defaults import DEFAULT_TARGET
 
     broken = tmp_path / "broken-model"
     shutil.copytree(DEFAULT_TARGET, broken)
@@ -252,8 +252,8 @@ def test_runner_that_cannot_start_ends_failed_while_the_other_serves(tmp_path):
 
 
 def test_hung_runner_is_detected_killed_and_restarted(tmp_path):
-    from runner.protocol import runner_pb2
-    from runner.client import RunnerClient
+    from common.protocol import runner_pb2
+    from common.client import RunnerClient
 
     models = model_toml("stuck", debug_rpcs=True, stall_after=1.0) + model_toml("fine")
     sup = SupervisorProcess(tmp_path, models, health_period="0.3s", health_deadline="0.5s", health_misses=3).wait_ready()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from runner.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from supervisor.config import ConfigError, default_config, from_dict, load, parse_duration, parse_size
 from tests.processes import REPO, SupervisorProcess, serve_expecting_refusal, terminate
 
@@ -95,7 +95,7 @@ def test_unwritable_runtime_dir_is_a_clear_error(tmp_path):
 
 def test_public_generate_request_shares_the_runner_fields():
     """The supervisor forwards a request by re-reading its bytes as the runner's message."""
-    from runner.protocol import runner_pb2
+    from common.protocol import runner_pb2
     from supervisor.protocol import supervisor_pb2
 
     def fields(descriptor, skip=()):

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from runner.protocol import runner_pb2 as runner_dot_protocol_dot_runner__pb2
+from common.protocol import runner_pb2 as common_dot_protocol_dot_runner__pb2
 from supervisor.protocol import supervisor_pb2 as supervisor_dot_protocol_dot_supervisor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -38,7 +38,7 @@ class SupervisorStub:
         self.Generate = channel.unary_stream(
                 '/mlxserve.v1.Supervisor/Generate',
                 request_serializer=supervisor_dot_protocol_dot_supervisor__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=runner_dot_protocol_dot_runner__pb2.GenerateChunk.FromString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/mlxserve.v1.Supervisor/ListModels',
@@ -115,7 +115,7 @@ def add_SupervisorServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=supervisor_dot_protocol_dot_supervisor__pb2.GenerateRequest.FromString,
-                    response_serializer=runner_dot_protocol_dot_runner__pb2.GenerateChunk.SerializeToString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.GenerateChunk.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -169,7 +169,7 @@ class Supervisor:
             target,
             '/mlxserve.v1.Supervisor/Generate',
             supervisor_dot_protocol_dot_supervisor__pb2.GenerateRequest.SerializeToString,
-            runner_dot_protocol_dot_runner__pb2.GenerateChunk.FromString,
+            common_dot_protocol_dot_runner__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,

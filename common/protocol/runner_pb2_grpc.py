@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from runner.protocol import runner_pb2 as runner_dot_protocol_dot_runner__pb2
+from common.protocol import runner_pb2 as common_dot_protocol_dot_runner__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in runner/protocol/runner_pb2_grpc.py depends on'
+        + ' but the generated code in common/protocol/runner_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class RunnerStub:
         """
         self.Generate = channel.unary_stream(
                 '/mlxserve.runner.v1.Runner/Generate',
-                request_serializer=runner_dot_protocol_dot_runner__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=runner_dot_protocol_dot_runner__pb2.GenerateChunk.FromString,
+                request_serializer=common_dot_protocol_dot_runner__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/mlxserve.runner.v1.Runner/Info',
-                request_serializer=runner_dot_protocol_dot_runner__pb2.InfoRequest.SerializeToString,
-                response_deserializer=runner_dot_protocol_dot_runner__pb2.InfoResponse.FromString,
+                request_serializer=common_dot_protocol_dot_runner__pb2.InfoRequest.SerializeToString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.InfoResponse.FromString,
                 _registered_method=True)
         self.Memory = channel.unary_unary(
                 '/mlxserve.runner.v1.Runner/Memory',
-                request_serializer=runner_dot_protocol_dot_runner__pb2.MemoryRequest.SerializeToString,
-                response_deserializer=runner_dot_protocol_dot_runner__pb2.MemoryResponse.FromString,
+                request_serializer=common_dot_protocol_dot_runner__pb2.MemoryRequest.SerializeToString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.MemoryResponse.FromString,
                 _registered_method=True)
         self.ReleaseMemory = channel.unary_unary(
                 '/mlxserve.runner.v1.Runner/ReleaseMemory',
-                request_serializer=runner_dot_protocol_dot_runner__pb2.ReleaseMemoryRequest.SerializeToString,
-                response_deserializer=runner_dot_protocol_dot_runner__pb2.ReleaseMemoryResponse.FromString,
+                request_serializer=common_dot_protocol_dot_runner__pb2.ReleaseMemoryRequest.SerializeToString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.ReleaseMemoryResponse.FromString,
                 _registered_method=True)
         self.DebugBlock = channel.unary_unary(
                 '/mlxserve.runner.v1.Runner/DebugBlock',
-                request_serializer=runner_dot_protocol_dot_runner__pb2.DebugBlockRequest.SerializeToString,
-                response_deserializer=runner_dot_protocol_dot_runner__pb2.DebugBlockResponse.FromString,
+                request_serializer=common_dot_protocol_dot_runner__pb2.DebugBlockRequest.SerializeToString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.DebugBlockResponse.FromString,
                 _registered_method=True)
         self.DebugExit = channel.unary_unary(
                 '/mlxserve.runner.v1.Runner/DebugExit',
-                request_serializer=runner_dot_protocol_dot_runner__pb2.DebugExitRequest.SerializeToString,
-                response_deserializer=runner_dot_protocol_dot_runner__pb2.DebugExitResponse.FromString,
+                request_serializer=common_dot_protocol_dot_runner__pb2.DebugExitRequest.SerializeToString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.DebugExitResponse.FromString,
                 _registered_method=True)
 
 
@@ -119,33 +119,33 @@ def add_RunnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=runner_dot_protocol_dot_runner__pb2.GenerateRequest.FromString,
-                    response_serializer=runner_dot_protocol_dot_runner__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=common_dot_protocol_dot_runner__pb2.GenerateRequest.FromString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.GenerateChunk.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=runner_dot_protocol_dot_runner__pb2.InfoRequest.FromString,
-                    response_serializer=runner_dot_protocol_dot_runner__pb2.InfoResponse.SerializeToString,
+                    request_deserializer=common_dot_protocol_dot_runner__pb2.InfoRequest.FromString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.InfoResponse.SerializeToString,
             ),
             'Memory': grpc.unary_unary_rpc_method_handler(
                     servicer.Memory,
-                    request_deserializer=runner_dot_protocol_dot_runner__pb2.MemoryRequest.FromString,
-                    response_serializer=runner_dot_protocol_dot_runner__pb2.MemoryResponse.SerializeToString,
+                    request_deserializer=common_dot_protocol_dot_runner__pb2.MemoryRequest.FromString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.MemoryResponse.SerializeToString,
             ),
             'ReleaseMemory': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseMemory,
-                    request_deserializer=runner_dot_protocol_dot_runner__pb2.ReleaseMemoryRequest.FromString,
-                    response_serializer=runner_dot_protocol_dot_runner__pb2.ReleaseMemoryResponse.SerializeToString,
+                    request_deserializer=common_dot_protocol_dot_runner__pb2.ReleaseMemoryRequest.FromString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.ReleaseMemoryResponse.SerializeToString,
             ),
             'DebugBlock': grpc.unary_unary_rpc_method_handler(
                     servicer.DebugBlock,
-                    request_deserializer=runner_dot_protocol_dot_runner__pb2.DebugBlockRequest.FromString,
-                    response_serializer=runner_dot_protocol_dot_runner__pb2.DebugBlockResponse.SerializeToString,
+                    request_deserializer=common_dot_protocol_dot_runner__pb2.DebugBlockRequest.FromString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.DebugBlockResponse.SerializeToString,
             ),
             'DebugExit': grpc.unary_unary_rpc_method_handler(
                     servicer.DebugExit,
-                    request_deserializer=runner_dot_protocol_dot_runner__pb2.DebugExitRequest.FromString,
-                    response_serializer=runner_dot_protocol_dot_runner__pb2.DebugExitResponse.SerializeToString,
+                    request_deserializer=common_dot_protocol_dot_runner__pb2.DebugExitRequest.FromString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.DebugExitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,8 +173,8 @@ class Runner:
             request,
             target,
             '/mlxserve.runner.v1.Runner/Generate',
-            runner_dot_protocol_dot_runner__pb2.GenerateRequest.SerializeToString,
-            runner_dot_protocol_dot_runner__pb2.GenerateChunk.FromString,
+            common_dot_protocol_dot_runner__pb2.GenerateRequest.SerializeToString,
+            common_dot_protocol_dot_runner__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -200,8 +200,8 @@ class Runner:
             request,
             target,
             '/mlxserve.runner.v1.Runner/Info',
-            runner_dot_protocol_dot_runner__pb2.InfoRequest.SerializeToString,
-            runner_dot_protocol_dot_runner__pb2.InfoResponse.FromString,
+            common_dot_protocol_dot_runner__pb2.InfoRequest.SerializeToString,
+            common_dot_protocol_dot_runner__pb2.InfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -227,8 +227,8 @@ class Runner:
             request,
             target,
             '/mlxserve.runner.v1.Runner/Memory',
-            runner_dot_protocol_dot_runner__pb2.MemoryRequest.SerializeToString,
-            runner_dot_protocol_dot_runner__pb2.MemoryResponse.FromString,
+            common_dot_protocol_dot_runner__pb2.MemoryRequest.SerializeToString,
+            common_dot_protocol_dot_runner__pb2.MemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -254,8 +254,8 @@ class Runner:
             request,
             target,
             '/mlxserve.runner.v1.Runner/ReleaseMemory',
-            runner_dot_protocol_dot_runner__pb2.ReleaseMemoryRequest.SerializeToString,
-            runner_dot_protocol_dot_runner__pb2.ReleaseMemoryResponse.FromString,
+            common_dot_protocol_dot_runner__pb2.ReleaseMemoryRequest.SerializeToString,
+            common_dot_protocol_dot_runner__pb2.ReleaseMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -281,8 +281,8 @@ class Runner:
             request,
             target,
             '/mlxserve.runner.v1.Runner/DebugBlock',
-            runner_dot_protocol_dot_runner__pb2.DebugBlockRequest.SerializeToString,
-            runner_dot_protocol_dot_runner__pb2.DebugBlockResponse.FromString,
+            common_dot_protocol_dot_runner__pb2.DebugBlockRequest.SerializeToString,
+            common_dot_protocol_dot_runner__pb2.DebugBlockResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -308,8 +308,8 @@ class Runner:
             request,
             target,
             '/mlxserve.runner.v1.Runner/DebugExit',
-            runner_dot_protocol_dot_runner__pb2.DebugExitRequest.SerializeToString,
-            runner_dot_protocol_dot_runner__pb2.DebugExitResponse.FromString,
+            common_dot_protocol_dot_runner__pb2.DebugExitRequest.SerializeToString,
+            common_dot_protocol_dot_runner__pb2.DebugExitResponse.FromString,
             options,
             channel_credentials,
             insecure,

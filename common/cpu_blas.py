@@ -59,6 +59,6 @@ def reexec_with_fast_blas() -> None:
 
 
 if __name__ == "__main__":
-    # Shell form, for the Makefile: `env $(python -m runner.cpu_blas) cmd ...`
+    # Shell form, for the Makefile: `env $(python -m common.cpu_blas) cmd ...`
     env = fast_blas_environment({})
     print(" ".join(f"{k}={v}" for k, v in env.items() if k != _MARK))
