@@ -341,3 +341,16 @@ def default_config(**overrides) -> SupervisorConfig:
     if (SMOLLM2_DIR / "config.json").is_file():
         models["smollm2"] = ModelConfig(name="smollm2", target=SMOLLM2_DIR, load_at_start=False)
     return SupervisorConfig(models=models, **overrides)
+
+
+def config_keys() -> list[str]:
+    """Every key the config file takes: top-level ones by name, a model's as ``models.NAME.key``."""
+    top = ["listen", "http_listen", "probe_port", "runtime_dir", "max_loaded", "allow_remote", "auth_token",
+           "tls_cert", "tls_key", "gguf_cache_dir", "startup_timeout", "health_period", "health_deadline",
+           "health_misses", "memory_period", "restart_backoff", "restart_backoff_cap", "stable_after",
+           "max_restarts", "drain_grace", "kill_timeout"]
+    model = ["target", "draft", "drafter", "num_draft_tokens", "max_draft_tokens", "ngram_max", "ngram_min",
+             "release_interval", "cache_limit", "soft_limit", "hard_limit", "keep_alive", "load_at_start", "dtype",
+             "max_context", "max_batch", "max_queue", "stall_after", "prompt_cache", "batch_memory",
+             "release_enabled", "debug_rpcs"]
+    return top + [f"models.NAME.{key}" for key in model]
