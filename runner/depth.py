@@ -5,9 +5,9 @@ The ``DepthController`` keeps moving averages of
   when every draft before it was. This is a property of the request (one that
   copies from its input keeps nearly every n-gram draft, prose keeps few), so
   each request learns its own (``for_request``), starting from what the
-  runner's requests kept so far (``finish`` folds each one in). Measured on
-  SmolLM2 with the runner's one average (2026-12-04): a request that followed
-  the copying one started at k = 6 and kept 22% of its drafts for nine rounds;
+  runner's requests kept so far (``finish`` folds each one in). With one
+  average for the whole runner, a request that followed a copying one started
+  deep and kept few of its drafts for many rounds;
 - the wall time of a round at each depth k (draft, verify, rewind and the host's
   work on what it emitted): a property of the runner and its machine, shared
   by every request per runner and drafter.
@@ -22,10 +22,10 @@ as the evidence carries it, without waiting for a probe:
   an even chance;
 - the time of an untimed depth is extrapolated along the line through the
   timed ones (least squares), and never below the deepest timed depth's.
-Measured on SmolLM2 with the n-gram drafter, copying sentences from its input
-(2026-12-04): with a prior of one half and only timed depths, the controller
-kept k = 1 for 28 of 31 rounds at 93% acceptance (1.39-1.57x plain), where k = 4
-gave 1.83-1.93x. Now and then it tries a neighbour of the best depth (one
+(Expecting an unreached position kept at an even chance, and trying only timed
+depths, kept a request that copies its input shallow at high acceptance where
+deeper rounds pay; docs/design.md, "Adaptive depth", has the figures.) Now and
+then it tries a neighbour of the best depth (one
 deeper, then one shallower, in turn), so a depth that starts to pay is found
 and one that stops paying is left; a depth not timed for longer than the
 longest probe interval has its average replaced by the next round, not

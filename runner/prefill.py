@@ -13,19 +13,17 @@ Two limits, whichever is smaller:
 
 Short prompts that wait at the same time share a forward pass
 (``joint_groups``; the pass itself is ``runner.batch.prefill_jointly``): a
-pass over one row of a few tokens streams every weight for little arithmetic.
-Measured on SmolLM2 in float32 here (2026-12-03), 16 prompts of 15 tokens took
-2.4 s one by one (152 ms each) and 1.24 s in one pass, which is most of a
-16-client burst's time to first token. A prompt joins only when what it lacks
-fits in a first chunk (``PROBE_CHUNK``), so a long one still goes chunk by
-chunk; a shared pass takes at most ``JOINT_TOKENS`` tokens, padding included
-(rows x the longest remainder; measured: 4 x 15 tokens 358 ms, 8 x 15 602 ms,
-16 x 15 1241 ms - past ~60 rows the pass costs its tokens), and its attention
-scores stay under ``score_bytes``. A shared pass copies every row's cache twice
-(merged into one batch, extracted again), so a row joins only while its cache
-stays within ``JOINT_CONTEXT`` tokens: the copies of 16 SmolLM2 rows cost
-4.7 ms a row at 64 cached tokens, 14 at 256, 27 at 512 and 189 at 1000
-(2026-12-04), against ~75 ms a row the shared pass saves.
+pass over one row of a few tokens streams every weight for little arithmetic,
+so 16 short prompts in one pass take about half the time they take one by one,
+which is most of a burst of clients' time to first token. A prompt joins only
+when what it lacks fits in a first chunk (``PROBE_CHUNK``), so a long one still
+goes chunk by chunk; a shared pass takes at most ``JOINT_TOKENS`` tokens,
+padding included (rows x the longest remainder), and its attention scores stay
+under ``score_bytes``. A shared pass copies every row's cache twice (merged
+into one batch, extracted again), and that copy grows with the cache: past
+``JOINT_CONTEXT`` tokens it costs more than the shared pass saves, so a row
+joins only while its cache stays within it. The figures are in docs/design.md
+("Batching").
 
 A forward pass over n tokens at context offset o costs about
 n * r * (o + n/2 + c0): a fixed part per token (c0, in tokens of context) and

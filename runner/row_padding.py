@@ -2,15 +2,12 @@
 
 A decoding step multiplies one row (one token) by every weight matrix. MKL
 sends a one-row product to its matrix-vector kernel, which on this project's
-machines (AMD EPYC, MKL 2026.2, sequential) streams the weights at about half
-the speed of its two-row matrix kernel: 64 chained 384 x 384 products take
-5.4-6.8 ms for one row and 3.2-3.6 ms for two. So a one-row input is
-broadcast to two identical rows, multiplied, and the first row kept; the
-second row's arithmetic costs less than the slower kernel loses. Measured on
-whole forward passes (2026-12-03): the default pair's target takes 7.9-8.9 ms
-a token instead of 10.2-12.2, SmolLM2 in float32 59-69 ms instead of 71-79 -
-the same as a two-token verify pass, which is why a k = 1 speculative round
-cost no more than a plain step before this.
+machines (AMD EPYC, MKL, sequential) streams the weights at about half the
+speed of its two-row matrix kernel. So a one-row input is broadcast to two
+identical rows, multiplied, and the first row kept; the second row's
+arithmetic costs less than the slower kernel loses, and a one-token forward
+pass costs what a two-token verify pass costs. The figures are in
+docs/design.md ("The CPU's BLAS").
 
 The rule touches only float ``Linear`` layers and tied embeddings used as the
 output projection (``Embedding.as_linear``), and only inputs of exactly one
