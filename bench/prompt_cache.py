@@ -70,9 +70,9 @@ def run_chat(folder: Path, draft, chat: bool, cache: bool) -> list[dict]:
             requests = conversation_requests(folder, chat)
             request = next(requests)
             while True:
-                chunks = list(common.client.stub.Generate(request, timeout=900))
+                chunks = list(runner.client.stub.Generate(request, timeout=900))
                 stats = chunks[-1].stats
-                memory = common.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5)
+                memory = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5)
                 turns.append({"prompt": stats.prompt_tokens, "cached": stats.cached_tokens,
                               "ttft": stats.time_to_first_token_s, "rss": memory.rss,
                               "cache_bytes": memory.prompt_cache.bytes})
@@ -97,8 +97,8 @@ def malloc_trim_rss(trim: bool) -> list[int]:
         rss = []
         try:
             for prompt in prompts:
-                list(common.client.generate(timeout=900, prompt=prompt, max_tokens=2000, ignore_eos=True))
-                rss.append(common.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5).rss)
+                list(runner.client.generate(timeout=900, prompt=prompt, max_tokens=2000, ignore_eos=True))
+                rss.append(runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5).rss)
         finally:
             runner.stop()
     return rss

@@ -70,9 +70,9 @@ def runner_side(dtype: str) -> dict:
                                name="smollm2").wait_serving(300)
         try:
             last = None
-            for last in common.client.generate(timeout=900, prompt=prompt, max_tokens=GENERATED, ignore_eos=True):
+            for last in runner.client.generate(timeout=900, prompt=prompt, max_tokens=GENERATED, ignore_eos=True):
                 pass
-            memory = common.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5)
+            memory = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5)
         finally:
             runner.stop()
     s = last.stats
