@@ -28,10 +28,11 @@ QUESTIONS = ("What is the capital of France?", "What is the capital of Germany?"
 
 
 def answers(folder: Path) -> list[str]:
-    from runner.engine import Engine, EngineSettings
+    from common.settings import RunnerSettings
+    from runner.engine import Engine
     from runner.request import GenerationRequest
 
-    engine = Engine.load(folder, None, EngineSettings(prompt_cache_bytes=0))
+    engine = Engine.load(folder, None, RunnerSettings(prompt_cache=0))
     return ["".join(r.text for r in engine.generate(GenerationRequest(messages=(("user", q),), max_tokens=30)))
             .strip().replace("\n", " ")[:60] for q in QUESTIONS]
 

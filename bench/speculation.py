@@ -24,7 +24,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
-from runner.engine import Engine, EngineSettings
+from common.settings import RunnerSettings
+from runner.engine import Engine
 from runner.loading import load_model
 from runner.request import GenerationRequest, end_of_turn_ids
 
@@ -148,7 +149,7 @@ def table(title: str, engine: Engine, tokens: int, chat: bool, rows: list) -> di
 
 
 def run() -> None:
-    pair = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=0))
+    pair = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0))
     pair_as_mlx_lm = as_mlx_lm_runs_it(pair)
     n = 256
     rows = [("ours, plain", lambda p: ours(pair, p, n, False, drafter="none")),
@@ -161,7 +162,7 @@ def run() -> None:
              ("ours, draft model, adaptive (default)", lambda p: ours(pair, p, n, False))]
     table("default pair (draft model)", pair, n, False, rows)
 
-    smol = Engine.load(SMOLLM2_DIR, None, EngineSettings(prompt_cache_bytes=0))
+    smol = Engine.load(SMOLLM2_DIR, None, RunnerSettings(prompt_cache=0))
     smol_as_mlx_lm = as_mlx_lm_runs_it(smol)
     n = 160
     rows = [("ours, plain", lambda p: ours(smol, p, n, True, drafter="none")),

@@ -31,7 +31,6 @@ from common.defaults import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 from .rewind import Rewinder
 from .sampling import SamplingParams, filtered_probs, sample
 
-DRAFTERS = ("model", "ngram", "none")
 
 
 @dataclass

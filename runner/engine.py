@@ -27,13 +27,12 @@ import psutil
 
 from .batch_memory import CacheCost
 from .decoders import Decoder, PlainDecoder, SpeculativeDecoder
-from common.defaults import (DEFAULT_DTYPE, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN,
-                       DEFAULT_NUM_DRAFT_TOKENS, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES,
-                       DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER)
+from common.defaults import DEFAULT_NUM_DRAFT_TOKENS
 from .depth import DepthController, FixedDepth
-from .drafters import DRAFTERS, ModelDrafter, NgramDrafter
+from .drafters import ModelDrafter, NgramDrafter
 from common.errors import InvalidRequest, TokenizerMismatch
-from common.footprint import ModelFootprint, default_prompt_cache_bytes, expected_device, resolve_dtype
+from common.footprint import ModelFootprint, default_prompt_cache_bytes, resolve_dtype
+from common.settings import CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED, DRAFTERS, RunnerSettings
 from .loading import LoadedModel, load_model
 from .malloc import malloc_trim
 from .prefill import PrefillPlanner
@@ -44,32 +43,6 @@ from .results import Round
 from .session import Session
 
 log = logging.getLogger("runner")
-
-# Cache-limit settings: MLX's own default, or the memory limit (what Metal and
-# CUDA default to, and what makes the pool's growth visible on the CPU).
-CACHE_LIMIT_DEFAULT = "default"
-CACHE_LIMIT_UNBOUNDED = "unbounded"
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    num_draft_tokens: int | None = None  # None = adaptive depth (runner.depth); a number pins k
-    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # the deepest round the adaptive depth tries
-    drafter: str = ""  # "model", "ngram" or "none"; "" = the draft model when there is one, else n-gram lookup
-    ngram_max: int = DEFAULT_NGRAM_MAX
-    ngram_min: int = DEFAULT_NGRAM_MIN
-    release_interval: int = DEFAULT_RELEASE_INTERVAL
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-    cache_limit: str | int = CACHE_LIMIT_DEFAULT  # "default", "unbounded" or bytes
-    release_enabled: bool = True  # debug: False reproduces the pool leak
-    dtype: str = DEFAULT_DTYPE  # "auto", "checkpoint" or "float32" (runner.loading)
-    max_context: int | None = None  # lowers the model's context length
-    prefill_seconds: float = DEFAULT_STALL_AFTER / 4  # a prefill chunk should take about this long, at most
-    prefill_score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES  # CPU attention's transient score matrix, at most
-    prompt_cache_bytes: int | None = None  # the prompt cache's budget; None = default_prompt_cache_bytes(), 0 = off
-    malloc_trim: bool = True  # give freed heap back to the system after each pool release (glibc)
-    batch_memory: int | None = None  # bytes the batched caches may take (runner.batch_memory); None = no limit
-
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     target_vocab = target.tokenizer.get_vocab()
@@ -113,7 +86,7 @@ class Engine:
     """A loaded target (and optional draft), its drafters, depth controllers and prompt cache; ``generate``
     runs one request alone (``runner.worker`` interleaves and batches them)."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, settings: EngineSettings,
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, settings: RunnerSettings,
                  dtype_reason: str = ""):
         self.target = target
         self.draft = draft
@@ -124,7 +97,7 @@ class Engine:
         self.dtype_reason = dtype_reason or f"dtype = {target.dtype!r}"
         self.cache_limit = apply_cache_limit(settings.cache_limit)
         self.total_releases = 0
-        budget = settings.prompt_cache_bytes
+        budget = settings.prompt_cache
         self.prompt_cache = PromptCache(default_prompt_cache_bytes() if budget is None else budget)
         self.cache_cost = CacheCost.measure(target.model)  # what a request's cache costs, per token and per row
         self.drafters = self._available_drafters()
@@ -177,7 +150,8 @@ class Engine:
         return f"speculative: {source}, {depth}"
 
     @classmethod
-    def load(cls, target_dir, draft_dir=None, settings: EngineSettings = EngineSettings()) -> "Engine":
+    def load(cls, target_dir, draft_dir=None, settings: RunnerSettings | None = None) -> "Engine":
+        settings = settings or RunnerSettings()
         folders = [Path(target_dir)] + ([Path(draft_dir)] if draft_dir else [])
         dtype, reason = settings.dtype, ""
         if dtype == "auto":
@@ -187,11 +161,11 @@ class Engine:
                 footprints = None  # load_model reports what is wrong with the folder
             if footprints is not None:
                 dtype, reason = resolve_dtype("auto", device_name(), footprints, psutil.virtual_memory().available,
-                                              context=settings.max_context)
+                                              context=settings.max_context or None)
             else:
                 dtype = "float32" if device_name() == "cpu" else "checkpoint"
-        target = load_model(folders[0], dtype, settings.max_context)
-        draft = load_model(folders[1], dtype, settings.max_context) if draft_dir else None
+        target = load_model(folders[0], dtype, settings.max_context or None)
+        draft = load_model(folders[1], dtype, settings.max_context or None) if draft_dir else None
         if draft is not None:
             check_same_vocabulary(target, draft)
         return cls(target, draft, settings, reason)
@@ -229,12 +203,8 @@ class Engine:
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Validate and tokenize a request once (raises InvalidRequest naming the field)."""
-        if request.drafter:
-            if request.drafter not in DRAFTERS:
-                raise InvalidRequest("drafter", f"must be one of {', '.join(DRAFTERS)} (or empty)")
-            if self.drafters[request.drafter]:
-                raise InvalidRequest("drafter", f"{request.drafter!r} is not available: "
-                                                f"{self.drafters[request.drafter]}")
+        if self.drafters.get(request.drafter):  # an unknown name is the request check's (prepare)
+            raise InvalidRequest("drafter", f"{request.drafter!r} is not available: {self.drafters[request.drafter]}")
         return prepare(request, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                        context_length=self.context_length, default_num_draft_tokens=self.default_num_draft_tokens,
                        can_draft=self.speculative or bool(request.drafter and request.drafter != "none"))

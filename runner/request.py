@@ -7,21 +7,18 @@ generates from: nothing is validated or tokenized twice.
 
 from __future__ import annotations
 
-import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from common.defaults import MAX_NUM_DRAFT_TOKENS
 from common.errors import InvalidRequest
+from common.requests import check_fields, template_kwargs
 from .sampling import SamplingParams
 
-MAX_STOP_STRINGS = 64
-MAX_STOP_LENGTH = 256
-MAX_TOP_LOGPROBS = 20
-ROLES = ("system", "user", "assistant", "tool")
 # End-of-turn tokens of common chat templates; a template that writes one of them ends a turn with it.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eot|>", "<|END_OF_TURN_TOKEN|>",
                "</s>", "<|endoftext|>", "<｜end▁of▁sentence｜>")
+CHECKED = ("prompt", "prompt_ids", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
+           "num_draft_tokens", "logprobs", "top_logprobs", "drafter", "chat_template_kwargs")
 # A text longer than this many characters per token of context cannot fit: refused before tokenizing.
 MAX_CHARS_PER_TOKEN = 32
 
@@ -41,7 +38,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     request_id: str = ""
     messages: tuple[tuple[str, str], ...] = ()  # (role, content): laid out by the chat template
-    chat_template_kwargs: dict | None = None
+    chat_template_kwargs: str = ""  # a JSON object
     logprobs: bool = False
     top_logprobs: int = 0
     drafter: str = ""  # "" = the engine's setting
@@ -68,45 +65,16 @@ class PreparedRequest:
         return self.request.request_id
 
 
-def validate_fields(request: GenerationRequest) -> None:
-    """The checks that need no model."""
-    if request.max_tokens <= 0:
-        raise InvalidRequest("max_tokens", "must be positive")
-    if not math.isfinite(request.temperature) or request.temperature < 0:
-        raise InvalidRequest("temperature", "must be a finite number >= 0")
-    if request.top_k < 0:
-        raise InvalidRequest("top_k", "must be >= 0 (0 turns it off)")
-    if not (math.isfinite(request.top_p) and 0 < request.top_p <= 1):
-        raise InvalidRequest("top_p", "must lie in (0, 1]")
-    if not (math.isfinite(request.min_p) and 0 <= request.min_p <= 1):
-        raise InvalidRequest("min_p", "must lie in [0, 1]")
-    if request.seed is not None and not 0 <= request.seed < 2**63:
-        raise InvalidRequest("seed", "must lie in [0, 2**63)")
-    if len(request.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings")
-    if any(len(s) > MAX_STOP_LENGTH for s in request.stop):
-        raise InvalidRequest("stop", f"each stop string is at most {MAX_STOP_LENGTH} characters")
-    if request.num_draft_tokens is not None and not 0 <= request.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
-        raise InvalidRequest("num_draft_tokens", f"must lie in [0, {MAX_NUM_DRAFT_TOKENS}]")
-    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest("top_logprobs", f"must lie in [0, {MAX_TOP_LOGPROBS}]")
-    if request.top_logprobs and not request.logprobs:
-        raise InvalidRequest("top_logprobs", "needs logprobs")
-
-
 def chat_ids(request: GenerationRequest, tokenizer, context_length: int) -> list[int]:
     """The conversation laid out by the model's chat template, ready for the assistant's turn."""
     if not getattr(tokenizer, "has_chat_template", False):
         raise InvalidRequest("messages", "this model has no chat template: send a prompt instead")
-    for index, (role, _) in enumerate(request.messages):
-        if role not in ROLES:
-            raise InvalidRequest("messages", f"message {index}: role {role!r} is not one of {', '.join(ROLES)}")
     if sum(len(content) for _, content in request.messages) > context_length * MAX_CHARS_PER_TOKEN:
         raise InvalidRequest("messages", f"cannot fit the context of {context_length} tokens")
     conversation = [{"role": role, "content": content} for role, content in request.messages]
     try:
         ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                            **(request.chat_template_kwargs or {}))
+                                            **template_kwargs(request.chat_template_kwargs))
     except Exception as error:  # noqa: BLE001 - a template raises whatever it likes (jinja2, TypeError, ...)
         raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
     return [int(t) for t in ids]
@@ -137,14 +105,9 @@ def prompt_ids_of(request: GenerationRequest, tokenizer, vocab_size: int, contex
 
 def prepare(request: GenerationRequest, *, tokenizer, vocab_size: int, context_length: int,
             default_num_draft_tokens: int, can_draft: bool) -> PreparedRequest:
-    """Validate and tokenize ``request`` once; raises InvalidRequest naming the field."""
-    if not request.prompt and not request.prompt_ids and not request.messages:
-        raise InvalidRequest("prompt", "must not be empty (set prompt, prompt_ids or messages)")
-    if request.messages and (request.prompt or request.prompt_ids):
-        raise InvalidRequest("messages", "set one of prompt, prompt_ids and messages")
-    if request.prompt and request.prompt_ids:
-        raise InvalidRequest("prompt", "set prompt or prompt_ids, not both")
-    validate_fields(request)
+    """Validate (``common.requests.check_fields``: the same judge as the supervisor's) and tokenize ``request``
+    once; raises InvalidRequest naming the field."""
+    check_fields(**{f.name: getattr(request, f.name) for f in fields(request) if f.name in CHECKED})
     prompt_ids = prompt_ids_of(request, tokenizer, vocab_size, context_length)
     if len(prompt_ids) >= context_length:
         raise InvalidRequest("prompt", f"{len(prompt_ids)} tokens do not fit the context of {context_length}")

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from common.requests import FinishReason
+
 
 @dataclass
 class GenerationStats:
@@ -64,7 +66,7 @@ class Round:
     text: str
     drafted: int = 0
     accepted: int = 0
-    finish_reason: str | None = None  # "stop", "length" or "cancelled"
+    finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asks
 

@@ -16,7 +16,6 @@ from concurrent import futures
 import grpc
 import mlx.core as mx
 import psutil
-from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -34,11 +33,6 @@ from .worker import MlxWorker
 log = logging.getLogger("runner")
 
 SERVICE_NAME = runner_pb2.DESCRIPTOR.services_by_name["Runner"].full_name
-FINISH_REASONS = {
-    "stop": runner_pb2.FINISH_REASON_STOP,
-    "length": runner_pb2.FINISH_REASON_LENGTH,
-    "cancelled": runner_pb2.FINISH_REASON_CANCELLED,
-}
 
 
 def request_from_proto(message: runner_pb2.GenerateRequest) -> GenerationRequest:
@@ -56,8 +50,7 @@ def request_from_proto(message: runner_pb2.GenerateRequest) -> GenerationRequest
         ignore_eos=message.ignore_eos,
         request_id=message.request_id,
         messages=tuple((m.role, m.content) for m in message.messages),
-        chat_template_kwargs=(json_format.MessageToDict(message.chat_template_kwargs)
-                              if message.HasField("chat_template_kwargs") else None),
+        chat_template_kwargs=message.chat_template_kwargs,
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         drafter=message.drafter,
@@ -82,7 +75,7 @@ def chunk_to_proto(r: Round) -> runner_pb2.GenerateChunk:
         chunk.logprobs.add(token_id=entry.token, token=entry.text, logprob=entry.logprob,
                            top=[runner_pb2.TopLogprob(token_id=t, token=text, logprob=v) for t, text, v in entry.top])
     if r.finish_reason is not None:
-        chunk.finish_reason = FINISH_REASONS[r.finish_reason]
+        chunk.finish_reason = r.finish_reason
     if r.stats is not None:
         chunk.stats.CopyFrom(stats_to_proto(r.stats))
     return chunk

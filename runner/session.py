@@ -25,6 +25,8 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from common.requests import FinishReason
+
 from .decoders import Decoder
 from .prefill import PrefillPlanner
 from .release import ReleaseSchedule
@@ -50,7 +52,7 @@ class Session:
         mx.reset_peak_memory()
         self.start = time.perf_counter()
         self.prefilled = False
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.final = None  # the final Round, once there is one
         self._in_batch = False  # its cache lives in a Batch
 
@@ -180,7 +182,7 @@ class Session:
 
     def cancel(self) -> None:
         if self.finish_reason is None:
-            self.finish_reason = "cancelled"
+            self.finish_reason = FinishReason.CANCELLED
 
     def abandon(self) -> None:
         """An error ends it: no prompt-cache entry (its caches may be half-written), the pool released."""
@@ -214,11 +216,11 @@ class Session:
         stats.active_memory = mx.get_active_memory()
         stats.cache_memory = mx.get_cache_memory()
         stats.peak_memory = mx.get_peak_memory()
-        if self.finish_reason == "cancelled" or last is None:
+        if self.finish_reason == FinishReason.CANCELLED or last is None:
             last = Round([], "")
         else:
             last.text += self.stopping.finish()
-        last.finish_reason = self.finish_reason or "cancelled"
+        last.finish_reason = self.finish_reason or FinishReason.CANCELLED
         last.stats = stats
         self.final = last
         return last

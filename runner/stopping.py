@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.requests import FinishReason
+
 from .text import TextStream
 
 
@@ -19,7 +21,7 @@ from .text import TextStream
 class Decision:
     emit: bool
     text: str
-    finish_reason: str | None  # "stop", "length" or None
+    finish_reason: FinishReason | None  # STOP, LENGTH or None
 
 
 class StoppingCriteria:
@@ -31,13 +33,13 @@ class StoppingCriteria:
 
     def __call__(self, token: int) -> Decision:
         if token in self.eos_ids:
-            return Decision(False, "", "stop")
+            return Decision(False, "", FinishReason.STOP)
         delta = self.text.add(token)
         self.count += 1
         if self.text.stopped:
-            return Decision(True, delta, "stop")
+            return Decision(True, delta, FinishReason.STOP)
         if self.count >= self.max_tokens:
-            return Decision(True, delta, "length")
+            return Decision(True, delta, FinishReason.LENGTH)
         return Decision(True, delta, None)
 
     def finish(self) -> str:

@@ -303,7 +303,7 @@ class MlxWorker:
                 self._active.remove(job)
             s = final.stats
             log.info("request %s: %s after %d tokens, %d rounds, acceptance %.2f, %.0f tok/s, releases %s",
-                     job.request.request_id or "-", final.finish_reason, s.generated_tokens, s.rounds,
+                     job.request.request_id or "-", final.finish_reason.name.lower(), s.generated_tokens, s.rounds,
                      s.acceptance_rate, s.tokens_per_second, s.release_positions)
 
     def _fail(self, job: GenerationJob, error: BaseException) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 
 import grpc
+
+from common import logs
 
 from .config import DEFAULT_LISTEN, ConfigError, default_config, load
 
@@ -16,13 +17,12 @@ SAMPLE_QUESTION = "What is the capital of France?"
 
 
 def serve(args) -> int:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format="%(asctime)s supervisor[%(process)d] %(levelname)s %(message)s")
     try:
         config = load(args.config) if args.config else default_config()
     except ConfigError as error:
         print(f"supervisor: {error}", file=sys.stderr)
         return 2
+    console = logs.setup("supervisor", config.log_format)
     from .service import Supervisor
 
     # Handlers first, so a SIGTERM during start-up still shuts down cleanly. They only
@@ -33,15 +33,19 @@ def serve(args) -> int:
     try:
         supervisor = Supervisor(config)
         supervisor.start()
-    except (OSError, RuntimeError) as error:
+    except (OSError, RuntimeError, ConfigError) as error:
         print(f"supervisor: {error}", file=sys.stderr)
         return 2
     if args.sample_request and supervisor.scheduler.runners[next(iter(config.models))].wait_serving(
             config.startup_timeout).name == "SERVING":
-        answer_sample_request(config.listen, next(iter(config.models)))
-        if "smollm2" in config.models and config.http_listen:
-            answer_sample_chat(config.http_listen, "smollm2")
-        print("--- serving until Ctrl-C\n", flush=True)
+        console.pause()  # the answers in one block; the log lines written meanwhile come after it
+        try:
+            answer_sample_request(config.listen, next(iter(config.models)))
+            if "smollm2" in config.models and config.http_listen:
+                answer_sample_chat(config.http_listen, "smollm2")
+            print("--- serving until Ctrl-C\n", flush=True)
+        finally:
+            console.resume()
     supervisor.serve_until(lambda: bool(signalled))
     return 0
 

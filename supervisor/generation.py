@@ -18,8 +18,10 @@ import time
 
 import grpc
 
+from common.errors import InvalidRequest
 from common.protocol import runner_pb2
-from common.status import Code, ServiceError
+from common.requests import check_message
+from common.status import Code, ServiceError, status_of
 
 from .runners import ManagedRunner, State
 
@@ -80,6 +82,10 @@ class Generation:
         return forwarded
 
     def _stream(self):
+        try:
+            check_message(self.request)  # before a model is looked for: a bad request loads nothing
+        except InvalidRequest as error:
+            raise status_of(error) from None
         metrics = self.sup.metrics
         resends = 0
         while True:
@@ -88,7 +94,7 @@ class Generation:
             timeout = self.remaining()
             with self.sup.scheduler.acquire(self.model, timeout=timeout) as runner:
                 started = time.perf_counter()
-                call = common.client.stub.Generate(self._forwarded(), timeout=self.remaining())
+                call = runner.client.stub.Generate(self._forwarded(), timeout=self.remaining())
                 runner.track(call)
                 self._active = (runner, call)
                 if self._cancelled.is_set():

@@ -9,7 +9,11 @@ Streaming answers are server-sent events, ``data: {json}`` each, ending with
 Generate (``Supervisor.generate``), and every error the same mapping to a
 status (``common.status``), here as an HTTP status with OpenAI's error shape:
 ``{"error": {"message", "type", "param", "code"}}``. Unknown request fields are
-ignored; malformed or wrong-typed ones are a 400 naming the field. A client that
+ignored; malformed or wrong-typed ones are a 400 naming the field. The schemas
+check only types: whether a value is in range is decided by
+``common.requests.check_fields``, the same judge and wording as the gRPC API's
+and the runner's, called before the message is built (a value no message field
+holds, or a string with a lone surrogate, is a 400 too, never a 5xx). A client that
 disconnects cancels its generation, which stops within one round.
 
 The speculation figures of an answer (drafted, accepted, tokens per second)
@@ -25,17 +29,18 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from google.protobuf import struct_pb2
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common.errors import InvalidRequest
 from common.protocol import runner_pb2
+from common.requests import FinishReason, check_fields
 from common.status import Code, ServiceError, status_of
 
 from .http_errors import openai_error
@@ -44,16 +49,44 @@ from .protocol import supervisor_pb2
 log = logging.getLogger("supervisor")
 
 MAX_TOKENS_UNSET = 2**31 - 1  # the runner caps it at the room left in the context
-FINISH_REASONS = {runner_pb2.FINISH_REASON_STOP: "stop", runner_pb2.FINISH_REASON_LENGTH: "length",
-                  runner_pb2.FINISH_REASON_CANCELLED: "stop"}
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
 Number = Union[StrictInt, StrictFloat]
 
 
 # -- request schemas ----------------------------------------------------------------------------------
 
 
+def lone_surrogate(value, path: str = "") -> str | None:
+    """Where a string of the JSON body holds a lone surrogate (``"\\ud800"``, which JSON allows and UTF-8 cannot
+    carry), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = lone_surrogate(key, path) or lone_surrogate(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = lone_surrogate(item, f"{path}.{index}" if path else str(index))
+            if found:
+                return found
+    return None
+
+
 class Schema(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def unicode_only(cls, data):
+        where = lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where}: is not valid Unicode text (it holds a lone surrogate such as \\ud800)")
+        return data
 
 
 class ContentPart(Schema):
@@ -62,7 +95,7 @@ class ContentPart(Schema):
 
 
 class ChatMessage(Schema):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: StrictStr  # common.requests.ROLES, and "developer" (a system message)
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
@@ -89,12 +122,12 @@ class Sampling(Schema):
     """The fields chat and completions share."""
 
     model: StrictStr
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: Number | None = Field(None, ge=0)
-    top_p: Number | None = Field(None, gt=0, le=1)
-    top_k: StrictInt | None = Field(None, ge=0)
-    min_p: Number | None = Field(None, ge=0, le=1)
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     n: StrictInt = 1
     stream: StrictBool = False
@@ -102,58 +135,57 @@ class Sampling(Schema):
     user: StrictStr | None = None
     # Extensions (vLLM and this project's own)
     ignore_eos: StrictBool = False
-    num_draft_tokens: StrictInt | None = Field(None, ge=0)
+    num_draft_tokens: StrictInt | None = None
     drafter: StrictStr | None = None
 
-    def shared_proto(self, max_tokens: int | None) -> supervisor_pb2.GenerateRequest:
-        """A GenerateRequest with the shared fields set (after checking them); the caller adds its own."""
+    def sampling_fields(self, max_tokens: int | None) -> dict:
+        """The shared fields as ``common.requests.check_fields`` and the message take them, OpenAI's defaults
+        filled in."""
         if self.n != 1:
             raise ServiceError(Code.INVALID_ARGUMENT, "n: only 1 choice per request is supported", "n")
-        proto = supervisor_pb2.GenerateRequest()
-        proto.model = self.model
-        proto.max_tokens = max_tokens or MAX_TOKENS_UNSET
-        proto.temperature = 1.0 if self.temperature is None else float(self.temperature)  # OpenAI's default
-        if self.top_p is not None:
-            proto.top_p = float(self.top_p)
-        proto.top_k = self.top_k or 0
-        proto.min_p = float(self.min_p or 0.0)
-        if self.seed is not None:
-            proto.seed = self.seed
-        if self.stop is not None:
-            proto.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
-        if self.num_draft_tokens is not None:
-            proto.num_draft_tokens = self.num_draft_tokens
-        if self.drafter is not None:
-            proto.drafter = self.drafter
-        proto.ignore_eos = self.ignore_eos
-        proto.request_id = f"http-{secrets.token_hex(6)}"
+        return {"max_tokens": MAX_TOKENS_UNSET if max_tokens is None else max_tokens,
+                "temperature": 1.0 if self.temperature is None else float(self.temperature),  # OpenAI's default
+                "top_p": 1.0 if self.top_p is None else float(self.top_p), "top_k": self.top_k or 0,
+                "min_p": float(self.min_p or 0.0), "seed": self.seed,
+                "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
+                "num_draft_tokens": self.num_draft_tokens, "drafter": self.drafter or ""}
+
+    def build(self, fields: dict, messages=()) -> supervisor_pb2.GenerateRequest:
+        """The message, once ``check_fields`` has found every field in range (so each fits its message field)."""
+        check_fields(**fields, messages=[(role, content) for role, content, _ in messages])
+        proto = supervisor_pb2.GenerateRequest(model=self.model, ignore_eos=self.ignore_eos,
+                                               request_id=f"http-{secrets.token_hex(6)}")
+        for key, value in fields.items():
+            if value is None:
+                continue
+            if isinstance(value, list):
+                getattr(proto, key).extend(value)
+            else:
+                setattr(proto, key, value)
+        for role, content, name in messages:
+            proto.messages.add(role=role, content=content, name=name)
         return proto
 
 
 class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    top_logprobs: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_proto(self) -> supervisor_pb2.GenerateRequest:
-        proto = self.shared_proto(self.max_completion_tokens or self.max_tokens)
-        for message in self.messages:
-            role = "system" if message.role == "developer" else message.role
-            proto.messages.add(role=role, content=message.text(), name=message.name or "")
-        if self.chat_template_kwargs:
-            proto.chat_template_kwargs.update(self.chat_template_kwargs)
-        if self.top_logprobs and not self.logprobs:
-            raise ServiceError(Code.INVALID_ARGUMENT, "top_logprobs: needs logprobs = true", "top_logprobs")
-        proto.logprobs = self.logprobs
-        proto.top_logprobs = self.top_logprobs or 0
-        return proto
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        fields = self.sampling_fields(max_tokens)
+        fields.update(logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0,
+                      chat_template_kwargs=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "")
+        messages = [("system" if m.role == "developer" else m.role, m.text(), m.name or "") for m in self.messages]
+        return self.build(fields, messages)
 
 
 class CompletionRequest(Sampling):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
-    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    logprobs: StrictInt | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
 
@@ -162,20 +194,19 @@ class CompletionRequest(Sampling):
             raise ServiceError(Code.INVALID_ARGUMENT, "echo: not supported", "echo")
         if self.suffix:
             raise ServiceError(Code.INVALID_ARGUMENT, "suffix: not supported", "suffix")
-        proto = self.shared_proto(self.max_tokens or 16)  # OpenAI's default for completions
+        fields = self.sampling_fields(16 if self.max_tokens is None else self.max_tokens)  # OpenAI's default
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise ServiceError(Code.INVALID_ARGUMENT, "prompt: one prompt per request", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            proto.prompt = prompt
+            fields["prompt"] = prompt
         else:
-            proto.prompt_ids.extend(prompt)
+            fields["prompt_ids"] = list(prompt)
         if self.logprobs is not None:
-            proto.logprobs = True
-            proto.top_logprobs = self.logprobs
-        return proto
+            fields.update(logprobs=True, top_logprobs=self.logprobs)
+        return self.build(fields)
 
 
 # -- responses -----------------------------------------------------------------------------------------
@@ -297,6 +328,10 @@ def create_app(supervisor) -> FastAPI:
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, error: ServiceError):
+        return error_response(error)
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid_field(request: Request, error: InvalidRequest):  # common.requests.check_fields
         return error_response(error)
 
     @app.exception_handler(RequestValidationError)

@@ -126,8 +126,8 @@ class Estimates:
         footprints = self.footprints(model)
         available = free_memory(available)
         device = expected_device()
-        context = model.max_context or None
-        dtype, _ = resolve_dtype(model.dtype, device, footprints, available, context=context)
+        context = model.runner.max_context or None
+        dtype, _ = resolve_dtype(model.runner.dtype, device, footprints, available, context=context)
         return estimate(footprints, dtype, device, context=context, runtime_overhead=self.runtime_overhead), dtype
 
     def measured_runtime(self, rss: int) -> None:
@@ -158,8 +158,8 @@ def prompt_cache_budget(model: ModelConfig, needed: Estimate | None, available: 
     what the machine has available at load, half of it, so the cache of a model admitted into
     little room does not take what the model itself will need.
     """
-    if model.prompt_cache is not None:
-        return model.prompt_cache
+    if model.runner.prompt_cache is not None:
+        return model.runner.prompt_cache
     budget = default_prompt_cache_bytes()
     if needed is None:
         return budget
@@ -178,8 +178,8 @@ def batch_memory_budget(model: ModelConfig, needed: Estimate | None, prompt_cach
     limit) when it has one - the prompt cache is emptied first there, so it does not count - or else what
     the machine has available at load, less the prompt cache's budget. None (no estimate): no limit.
     """
-    if model.batch_memory is not None:
-        return model.batch_memory
+    if model.runner.batch_memory is not None:
+        return model.runner.batch_memory
     if needed is None:
         return None
     room = limit_room(model, needed)
@@ -242,9 +242,9 @@ class MemoryWatch:
         sample = sample_tree(pid, self._count, memory.current or Sample(0, 0, 0))
         memory.history.append(sample)
         memory.peak_rss = max(memory.peak_rss, sample.rss)
-        if runner.state == State.SERVING and common.client is not None:
+        if runner.state == State.SERVING and runner.client is not None:
             try:
-                m = common.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=0.5)
+                m = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=0.5)
                 memory.mlx = MlxFigures(m.active, m.cache, m.peak, m.releases, m.peak_rss, m.prompt_cache)
                 memory.peak_rss = max(memory.peak_rss, m.peak_rss)
             except grpc.RpcError:
@@ -268,7 +268,7 @@ class MemoryWatch:
             memory.last_soft_release = now
             try:
                 # The prompt cache goes first: its buffers then leave with the pool.
-                released = common.client.stub.ReleaseMemory(runner_pb2.ReleaseMemoryRequest(prompt_cache=True),
+                released = runner.client.stub.ReleaseMemory(runner_pb2.ReleaseMemoryRequest(prompt_cache=True),
                                                             timeout=5)
             except grpc.RpcError as error:
                 log.warning("model %s: ReleaseMemory failed: %s", runner.name, error.details())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import re
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -31,13 +31,14 @@ from grpc_health.v1 import health_pb2
 
 from common.client import RunnerClient
 from common.cpu_blas import fast_blas_environment
+from common.logs import record_from_json
 from common.protocol import runner_pb2
 
 from .config import ModelConfig, SupervisorConfig
 
 log = logging.getLogger("supervisor")
+runner_log = logging.getLogger("supervisor.runner")  # the runners' records, read back from their stderr
 STDERR_TAIL_LINES = 40
-INFO_LINE = re.compile(r"runner\[[^\]]*\] (INFO|DEBUG) ")  # the runner's own log format (runner/__main__.py)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -111,7 +112,7 @@ class ManagedRunner:
 
     def stderr_summary(self, lines: int = 5) -> str:
         """The runner's last words that matter: its warnings, errors and tracebacks, not its INFO log lines."""
-        tail = [line.strip() for line in self.stderr_tail if line.strip() and not INFO_LINE.search(line)][-lines:]
+        tail = [line.strip() for line in self.stderr_tail if line.strip()][-lines:]
         return " | ".join(tail)
 
     # -- requests from the scheduler, service and memory watch ---------------
@@ -236,43 +237,30 @@ class ManagedRunner:
             self._reap()
 
     def _spawn(self) -> subprocess.Popen:
-        m = self.model
-        args = [sys.executable, "-m", "runner", "--name", m.name, "--target", str(m.target),
-                "--listen", self.address,
-                "--num-draft-tokens", "auto" if m.num_draft_tokens is None else str(m.num_draft_tokens),
-                "--max-draft-tokens", str(m.max_draft_tokens), "--ngram-max", str(m.ngram_max),
-                "--ngram-min", str(m.ngram_min),
-                "--release-interval", str(m.release_interval), "--cache-limit", str(m.cache_limit),
-                "--max-queue", str(m.max_queue), "--max-batch", str(m.max_batch),
-                "--grace", str(self.config.drain_grace),
-                "--stall-after", str(m.stall_after), "--dtype", m.dtype,
-                "--parent-pid", str(os.getpid())]
-        if m.max_context:
-            args += ["--max-context", str(m.max_context)]
+        # The model's settings, with what the supervisor decides at each start: the memory budgets, the grace.
+        settings = replace(self.model.runner, grace=self.config.drain_grace)
         if self.prompt_cache_budget is not None:
-            args += ["--prompt-cache", str(self.prompt_cache_budget)]
+            settings = replace(settings, prompt_cache=self.prompt_cache_budget)
         if self.batch_memory_budget is not None:
-            args += ["--batch-memory", str(max(1, self.batch_memory_budget))]
-        if m.draft is not None:
-            args += ["--draft", str(m.draft)]
-        if m.drafter:
-            args += ["--drafter", m.drafter]
-        if not m.release_enabled:
-            args.append("--no-release")
-        if m.debug_rpcs:
-            args.append("--debug-rpcs")
+            settings = replace(settings, batch_memory=max(1, self.batch_memory_budget))
+        args = [sys.executable, "-m", "runner", "--listen", self.address, "--parent-pid", str(os.getpid()),
+                "--log-format", "json", *settings.to_argv()]
         self.stderr_tail.clear()
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.PIPE, env=fast_blas_environment(),
                                    start_new_session=True, text=True, errors="replace")
-        threading.Thread(target=self._forward_stderr, args=(process,), name=f"stderr-{m.name}", daemon=True).start()
+        threading.Thread(target=self._forward_stderr, args=(process,), name=f"stderr-{self.name}",
+                         daemon=True).start()
         return process
 
     def _forward_stderr(self, process: subprocess.Popen) -> None:
+        """Each of the runner's log records (JSON lines) as a record of the supervisor's log, with the model and
+        pid as fields (``common.logs``); its warnings, errors and stray lines are kept for failure reports."""
         for line in process.stderr:
-            line = line.rstrip("\n")
-            self.stderr_tail.append(line)
-            log.info("[%s] %s", self.name, line)
+            record = record_from_json(line.rstrip("\n"), self.name, process.pid)
+            if record.levelno > logging.INFO:
+                self.stderr_tail.append(record.getMessage())
+            runner_log.handle(record)
 
     def _died(self) -> str:
         code = self.process.wait()

@@ -17,7 +17,7 @@ from common import __version__
 from common.defaults import CHANNEL_OPTIONS
 from common.status import StatusInterceptor
 
-from .config import SupervisorConfig
+from .config import SupervisorConfig, resolve_gguf
 from .generation import Generation
 from .memory import MemoryWatch, RunnerMemory
 from .probes import Metrics, ProbeServer
@@ -91,7 +91,8 @@ class BearerToken(grpc.ServerInterceptor):
 
 class Supervisor:
     def __init__(self, config: SupervisorConfig):
-        self.config = config
+        """Raises ConfigError when a .gguf file in the config cannot be imported (``resolve_gguf``)."""
+        self.config = config = resolve_gguf(config)
         self.started = time.monotonic()
         self.started_at = time.time()
         self.shutting_down = threading.Event()
@@ -102,7 +103,7 @@ class Supervisor:
         self.memory = MemoryWatch(self.scheduler.runners, config.memory_period, on_sample=self._on_memory)
         interceptors = ([BearerToken(config.auth_token)] if config.auth_token else []) + [StatusInterceptor()]
         # A handler thread per stream in flight: every model's batch and queue, and room for the rest.
-        streams = min(2048, sum(m.max_batch + m.max_queue for m in config.models.values()))
+        streams = min(2048, sum(m.runner.max_batch + m.runner.max_queue for m in config.models.values()))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=streams + 32, thread_name_prefix="public"),
                                   options=CHANNEL_OPTIONS, interceptors=interceptors,
                                   maximum_concurrent_rpcs=streams + 64)

@@ -6,12 +6,13 @@ import mlx.core as mx
 import pytest
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from runner.engine import Engine, EngineSettings
+from common.settings import RunnerSettings
+from runner.engine import Engine
 
 
 @pytest.fixture(scope="session")
 def engine() -> Engine:
-    return Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings())
+    return Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings())
 
 
 @pytest.fixture

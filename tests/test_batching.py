@@ -14,8 +14,10 @@ import time
 import mlx.core as mx
 import pytest
 
+from common.requests import FinishReason
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from runner.engine import CACHE_LIMIT_UNBOUNDED, Engine, EngineSettings
+from common.settings import CACHE_LIMIT_UNBOUNDED, RunnerSettings
+from runner.engine import Engine
 from runner.prefill import PrefillPlanner, joint_groups
 from runner.request import GenerationRequest
 from runner.worker import MlxWorker
@@ -33,7 +35,7 @@ PROMPTS = (
 
 @pytest.fixture(scope="module")
 def batch_engine():
-    return Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=0))
+    return Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0))
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def test_batched_greedy_requests_equal_each_one_alone(worker, batch_engine):
     got = [results(job) for job in jobs]
     assert worker.batched_steps > steps + 100  # they really were decoded together
     for (tokens, _, last), want, n in zip(got, expected, lengths):
-        assert tokens == want and last.stats.generated_tokens == n and last.finish_reason == "length"
+        assert tokens == want and last.stats.generated_tokens == n and last.finish_reason == FinishReason.LENGTH
 
 
 def test_stop_strings_and_sampling_stay_per_request(worker, batch_engine):
@@ -83,7 +85,7 @@ def test_stop_strings_and_sampling_stay_per_request(worker, batch_engine):
             submit(worker, batch_engine, **seeded),
             submit(worker, batch_engine, prompt=PROMPTS[2], max_tokens=100)]
     stopped, sampled, other = (results(job) for job in jobs)
-    assert stopped[2].finish_reason == "stop" and stopped[1] == text[: text.index(stop)]
+    assert stopped[2].finish_reason == FinishReason.STOP and stopped[1] == text[: text.index(stop)]
     # A seeded request draws one key per token, alone or batched: the same samples.
     assert sampled[0] == sampled_alone
     assert other[2].stats.generated_tokens == 100
@@ -134,7 +136,7 @@ def test_a_newcomer_joins_a_running_solo_request(worker, batch_engine):
 def test_a_request_ended_in_a_batch_feeds_the_prompt_cache_exactly():
     """It leaves while the others' next step is already queued (that step fed its last token too): its
     prompt-cache entry holds exactly its own tokens, and the next turn continues from it as from a cold prefill."""
-    engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=64 * 2**20))
+    engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=64 * 2**20))
     worker = MlxWorker(engine, max_queue=8, max_batch=4)
     worker.start()
     try:
@@ -164,7 +166,7 @@ def test_requests_that_end_at_the_same_step_leave_the_batch_together():
     """A burst of equal requests ends at one step: they leave in one copy of the batched cache (not one copy
     each), each keeps exactly its own cache for the prompt cache when it asked for it, and the row that
     stays goes on as alone."""
-    engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=64 * 2**20))
+    engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=64 * 2**20))
     worker = MlxWorker(engine, max_queue=8, max_batch=4)
     worker.start()
     try:
@@ -236,7 +238,7 @@ def test_short_prompts_that_wait_together_share_a_prefill_pass():
     """Requests admitted at the same turn - some continuing a cached conversation, so their caches differ in
     length - are prefilled in one batched pass (right padded, rolled left, then each row extracted), and each
     decodes exactly as it would alone."""
-    engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=64 * 2**20))
+    engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=64 * 2**20))
     worker = MlxWorker(engine, max_queue=8, max_batch=8)
     worker.start()
     try:
@@ -263,8 +265,8 @@ def test_requests_wait_while_their_caches_would_not_fit_next_to_the_others(batch
     """A batch-memory budget of two rows' projected caches: of four requests, two decode at a time, the others
     wait in the queue (not refused), and every one gives the tokens it gives alone."""
     cost = batch_engine.cache_cost
-    engine = Engine(batch_engine.target, batch_engine.draft, EngineSettings(
-        prompt_cache_bytes=0, batch_memory=cost.batch([256, 256])))
+    engine = Engine(batch_engine.target, batch_engine.draft, RunnerSettings(
+        prompt_cache=0, batch_memory=cost.batch([256, 256])))
     worker = MlxWorker(engine, max_queue=8, max_batch=8)
     worker.start()
     most, done = 0, threading.Event()
@@ -296,8 +298,8 @@ def test_the_pool_stays_bounded_over_a_long_batched_generation(restore_cache_lim
     every buffer the batched cache outgrew (four rows of 1200 tokens: four growths of 256 positions)."""
     peaks = {}
     for release in (True, False):
-        engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(
-            prompt_cache_bytes=0, cache_limit=CACHE_LIMIT_UNBOUNDED, release_enabled=release))
+        engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(
+            prompt_cache=0, cache_limit=CACHE_LIMIT_UNBOUNDED, release_enabled=release))
         worker = MlxWorker(engine, max_queue=8, max_batch=4)
         worker.start()
         mx.clear_cache()

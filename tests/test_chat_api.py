@@ -292,3 +292,90 @@ def test_terminal_chat_leaves_on_end_of_input(sup):
                            f"127.0.0.1:{sup.port}", "--token", TOKEN], input="", capture_output=True, text=True,
                           timeout=60, env=child_environment())
     assert done.returncode == 0 and "chatting with smol" in done.stdout
+
+
+# -- hostile requests: one judge of the fields, one wording, never a 5xx ------------------------------------
+
+
+def raw_post(sup, path: str, content: bytes) -> httpx.Response:
+    return httpx.post(f"{sup.base_url}/{path}", content=content, timeout=60,
+                      headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    # A number past what the message's field holds (it was a bare 500).
+    ("completions", {"model": "pair", "prompt": "x", "max_tokens": 10**12}, "max_tokens", "must lie in [1, 2147483647]"),
+    ("completions", {"model": "pair", "prompt": "x", "top_k": 10**12}, "top_k", "must lie in [0, 2147483647]"),
+    ("completions", {"model": "pair", "prompt": [2**40]}, "prompt_ids", "token ids must lie in [0, 2147483647]"),
+    ("completions", {"model": "pair", "prompt": "x", "seed": -1}, "seed", "must lie in [0, 2**63)"),
+    ("completions", {"model": "pair", "prompt": "x", "max_tokens": 0}, "max_tokens", "must lie in [1, "),
+    ("chat/completions", {"model": "smol", "messages": CAPITAL, "top_p": 1.5}, "top_p", "must lie in (0, 1]"),
+    ("chat/completions", {"model": "smol", "messages": CAPITAL, "top_logprobs": 3}, "top_logprobs", "needs logprobs"),
+    ("chat/completions", {"model": "smol", "messages": [{"role": "wizard", "content": "hi"}]}, "messages",
+     "role 'wizard' is not one of"),
+    ("chat/completions", {"model": "smol", "messages": CAPITAL, "drafter": "oracle"}, "drafter", "must be one of"),
+])
+def test_a_field_out_of_range_is_a_400_naming_it(sup, path, body, param, words):
+    response = raw_post(sup, path, json.dumps(body).encode())
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_the_grpc_api_refuses_the_same_field_in_the_same_words(sup):
+    with pytest.raises(grpc.RpcError) as caught:
+        list(sup.client.stub.Generate(supervisor_pb2.GenerateRequest(model="pair", prompt="x", max_tokens=5,
+                                                                     top_p=1.5), timeout=30,
+                                      metadata=sup.client.metadata))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    http = raw_post(sup, "completions", json.dumps({"model": "pair", "prompt": "x", "top_p": 1.5}).encode())
+    assert caught.value.details() == http.json()["error"]["message"] == "top_p: must lie in (0, 1]"
+
+
+@pytest.mark.parametrize("content", [
+    b'{"model": "smol", "messages": [{"role": "user", "content": "\\ud800"}]}',  # a lone surrogate (was a 500)
+    b'{"model": "\\udfff", "prompt": "x"}',
+    b'{"model": "pair", "prompt": "x", "stop": ["\\ud800"]}',
+    b'{"model": "pair", "prompt": "x", "temperature": 1e400}',  # JSON's number too big for a float: inf
+    b'{"model": "pair", "prompt": "x", "max_tokens": 1.5}',
+    b'{"model": "pair", "prompt": null}',
+    b'{"model": "pair", "prompt": {"a": 1}}',
+    b'{"model": "smol", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+    b'{"model": "smol", "messages": "hello"}',
+    b'[1, 2, 3]',
+    b'"just a string"',
+    b'{}',
+    b'',
+    b'\xff\xfe\x00',
+])
+def test_no_malformed_body_gets_a_5xx(sup, content):
+    for path in ("completions", "chat/completions"):
+        response = raw_post(sup, path, content)
+        assert response.status_code == 400, (path, response.status_code, response.text)
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_prompt_too_big_to_reach_the_runner_is_a_400_that_says_so(sup, client):
+    """Not a 429 (which OpenAI's clients retry by themselves) with gRPC's transport text."""
+    huge = "word " * (2 * 2**20)  # 10 MB: more than a message to the runner may carry
+    response = raw_post(sup, "completions", json.dumps({"model": "pair", "prompt": huge}).encode())
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "the prompt is too long" in error["message"]
+    assert "CLIENT" not in error["message"] and "larger than max" not in error["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.with_options(max_retries=0).chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": huge}])
+
+
+def test_chat_template_arguments_keep_their_types(sup):
+    """An integer stays an integer on its way to the chat template (it became 2.0 through a protobuf Struct)."""
+    from common.requests import template_kwargs
+
+    request = supervisor_pb2.GenerateRequest(chat_template_kwargs=json.dumps({"n": 2, "on": True, "x": [1, "a"]}))
+    forwarded = runner_pb2.GenerateRequest.FromString(request.SerializeToString())
+    assert template_kwargs(forwarded.chat_template_kwargs) == {"n": 2, "on": True, "x": [1, "a"]}
+    assert type(template_kwargs(forwarded.chat_template_kwargs)["n"]) is int
+    answer = raw_post(sup, "chat/completions", json.dumps({"model": "smol", "messages": CAPITAL, "max_tokens": 3,
+                                                            "chat_template_kwargs": {"n": 2}}).encode())
+    assert answer.status_code == 200, answer.text

@@ -2,6 +2,7 @@
 
 import pytest
 
+from common.requests import FinishReason
 from runner.engine import GenerationRequest
 from tests.helpers import collect
 
@@ -22,7 +23,7 @@ def test_greedy_speculative_equals_plain_greedy_and_releases_at_crossings(engine
     assert tokens == plain_tokens
     assert text == plain_text
     stats = last.stats
-    assert stats.generated_tokens == 600 and last.finish_reason == "length"
+    assert stats.generated_tokens == 600 and last.finish_reason == FinishReason.LENGTH
     assert stats.drafted > 0 and stats.rounds < 600  # it really drafted
     # One release in the round that crossed 256 and one in the round that crossed 512:
     # the recorded count is the first one at or past the multiple, at most k past it.
@@ -52,7 +53,7 @@ def test_never_more_than_max_tokens_even_when_a_round_accepts_more(engine, max_t
     tokens, _, last = collect(engine.generate(GenerationRequest(
         prompt=PROMPT, max_tokens=max_tokens, num_draft_tokens=6, ignore_eos=True)))
     assert len(tokens) == max_tokens == last.stats.generated_tokens
-    assert last.finish_reason == "length"
+    assert last.finish_reason == FinishReason.LENGTH
 
 
 def test_prompt_as_token_ids_equals_prompt_as_text(engine):
@@ -70,7 +71,7 @@ def test_stop_string_split_across_rounds_stops_and_does_not_leak(engine, plain_6
     assert len(engine.tokenizer.encode(stop)) > 3
     tokens, text, last = collect(engine.generate(GenerationRequest(
         prompt=PROMPT, max_tokens=600, num_draft_tokens=1, ignore_eos=True, stop=(stop,))))
-    assert last.finish_reason == "stop"
+    assert last.finish_reason == FinishReason.STOP
     assert text == plain_text[: plain_text.index(stop)]
     assert stop not in text
     assert len(tokens) < 600
@@ -80,7 +81,7 @@ def test_stop_string_never_seen_streams_everything(engine, plain_600):
     _, plain_text, _ = plain_600
     _, text, last = collect(engine.generate(GenerationRequest(
         prompt=PROMPT, max_tokens=600, num_draft_tokens=3, ignore_eos=True, stop=("\x00never\x00",))))
-    assert text == plain_text and last.finish_reason == "length"
+    assert text == plain_text and last.finish_reason == FinishReason.LENGTH
 
 
 def test_eos_stops_generation_and_is_not_emitted(plain_600):
@@ -93,7 +94,7 @@ def test_eos_stops_generation_and_is_not_emitted(plain_600):
     engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT)
     engine.tokenizer.add_eos_token(engine.tokenizer.convert_ids_to_tokens(eos))
     tokens, _, last = collect(engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=600, num_draft_tokens=3)))
-    assert last.finish_reason == "stop"
+    assert last.finish_reason == FinishReason.STOP
     assert eos not in tokens
     assert tokens == plain_tokens[: plain_tokens.index(eos)]
     ignoring, _, _ = collect(engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=600, num_draft_tokens=3, ignore_eos=True)))

@@ -4,7 +4,8 @@ import mlx.core as mx
 import pytest
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from runner.engine import CACHE_LIMIT_UNBOUNDED, Engine, EngineSettings, GenerationRequest
+from common.settings import CACHE_LIMIT_UNBOUNDED, RunnerSettings
+from runner.engine import Engine, GenerationRequest
 
 GENERATED = 3000
 PROMPT = "Assignment statements are used to (re-)bind names to values"
@@ -38,7 +39,7 @@ def pools():
     try:
         measured = {}
         for release in (True, False):
-            engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(
+            engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(
                 cache_limit=CACHE_LIMIT_UNBOUNDED, release_enabled=release))
             assert mx.set_cache_limit(mx.get_memory_limit()) == mx.get_memory_limit()  # really unbounded
             measured[release] = (*peak_pool_during(engine), engine)

@@ -144,12 +144,12 @@ def test_a_gguf_imports_and_serves_a_chat(tmp_path, vocab_name, architecture):
     assert compared >= 10
     runner = RunnerProcess(tmp_path / "sockets", target=folder, draft=None).wait_serving()
     try:
-        info = common.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
+        info = runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
         assert info.target.architecture == architecture and info.target.vocab_size == len(tokenizer.vocab)
         messages = [runner_pb2.ChatMessage(role=role, content=content) for role, content in conversation]
-        chunks = list(common.client.generate(timeout=120, messages=messages, max_tokens=40, ignore_eos=True,
+        chunks = list(runner.client.generate(timeout=120, messages=messages, max_tokens=40, ignore_eos=True,
                                              drafter="none"))
-        plain = list(common.client.generate(timeout=120, prompt="Hello world", max_tokens=5, ignore_eos=True,
+        plain = list(runner.client.generate(timeout=120, prompt="Hello world", max_tokens=5, ignore_eos=True,
                                             drafter="none"))
     finally:
         assert runner.stop() == 0

@@ -10,6 +10,7 @@ from runner.batch_memory import BatchMemory, CacheCost
 from common.defaults import DEFAULT_TARGET, SMOLLM2_DIR
 from common.footprint import Estimate, ModelFootprint, default_prompt_cache_bytes, estimate
 from runner.loading import load_model
+from common.settings import RunnerSettings
 from supervisor.config import ModelConfig
 from supervisor.memory import batch_memory_budget, prompt_cache_budget
 from tests.processes import SupervisorProcess, model_toml
@@ -93,24 +94,24 @@ def test_batch_memory_admits_while_the_projected_batch_fits():
 
 def test_the_batch_budget_is_the_room_above_the_estimate():
     needed = Estimate(weights=500, kv_cache=100, prefill=50, runtime=350)  # total 1000
-    model = ModelConfig(name="m", target=DEFAULT_TARGET)
+    model = ModelConfig("m", RunnerSettings(target=DEFAULT_TARGET))
     assert batch_memory_budget(model, needed, prompt_cache=200, available=5000) == 100 + 5000 - 1000 - 200
     assert batch_memory_budget(model, needed, prompt_cache=200, available=900) == 100  # one request, as admitted
-    limited = ModelConfig(name="m", target=DEFAULT_TARGET, soft_limit=1600)
+    limited = ModelConfig("m", RunnerSettings(target=DEFAULT_TARGET), soft_limit=1600)
     assert batch_memory_budget(limited, needed, prompt_cache=600, available=5000) == 100 + 600
-    hard = ModelConfig(name="m", target=DEFAULT_TARGET, hard_limit=3000)
+    hard = ModelConfig("m", RunnerSettings(target=DEFAULT_TARGET), hard_limit=3000)
     assert batch_memory_budget(hard, needed, prompt_cache=0, available=5000) == 100 + 1000
-    assert batch_memory_budget(ModelConfig(name="m", target=DEFAULT_TARGET, batch_memory=12345), needed, 0) == 12345
+    assert batch_memory_budget(ModelConfig("m", RunnerSettings(target=DEFAULT_TARGET, batch_memory=12345)), needed, 0) == 12345
     assert batch_memory_budget(model, None, 0) is None
 
 
 def test_the_prompt_cache_takes_no_more_than_half_the_room_above_the_estimate():
     needed = Estimate(weights=500 * 2**20, kv_cache=100 * 2**20, prefill=50 * 2**20, runtime=350 * 2**20)
-    model = ModelConfig(name="m", target=DEFAULT_TARGET)
+    model = ModelConfig("m", RunnerSettings(target=DEFAULT_TARGET))
     default = default_prompt_cache_bytes()
     assert prompt_cache_budget(model, needed, available=2**50) == default  # plenty of room: the default
     assert prompt_cache_budget(model, needed, available=needed.total + 300 * 2**20) == min(default, 150 * 2**20)
     assert prompt_cache_budget(model, needed, available=needed.total // 2) == 0  # admitted into no room
-    limited = ModelConfig(name="m", target=DEFAULT_TARGET, soft_limit=needed.total + 64 * 2**20)
+    limited = ModelConfig("m", RunnerSettings(target=DEFAULT_TARGET), soft_limit=needed.total + 64 * 2**20)
     assert prompt_cache_budget(limited, needed, available=2**50) == min(default, 64 * 2**20)
-    assert prompt_cache_budget(ModelConfig(name="m", target=DEFAULT_TARGET, prompt_cache=7), needed) == 7
+    assert prompt_cache_budget(ModelConfig("m", RunnerSettings(target=DEFAULT_TARGET, prompt_cache=7)), needed) == 7

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
-from runner.engine import Engine, EngineSettings
+from common.settings import RunnerSettings
+from runner.engine import Engine
 from runner.prompt_cache import PromptCache, common_prefix
 from runner.request import GenerationRequest
 from tests.helpers import collect
@@ -18,7 +19,7 @@ OTHER = "Assignment statements are used to (re-)bind names to values"
 def cached():
     """The default pair with a prompt cache (the session's shared engine has the default budget too,
     but these tests look at its counters)."""
-    return Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=256 * 2**20))
+    return Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=256 * 2**20))
 
 
 def run(engine, cache: bool, **fields):
@@ -78,7 +79,7 @@ def test_the_release_rule_counts_generated_tokens_only(cached):
 def test_budget_evicts_least_recently_used_entries(cached):
     cache = PromptCache(budget=0)
     assert not cache.enabled and cache.lookup([1, 2, 3]).tokens == 0
-    engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=64 * 2**20))
+    engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=64 * 2**20))
     pc = engine.prompt_cache
     run(engine, True, prompt_ids=ids(engine, "0 " + PROMPT), max_tokens=4)
     # A short prompt's entry is one 256-token KV block of the target (8 float32 layers, 2 MiB), and of the
@@ -109,4 +110,4 @@ def test_second_chat_turn_reuses_the_first(smollm2_engine):
 
 @pytest.fixture(scope="module")
 def smollm2_engine():
-    return Engine.load(SMOLLM2_DIR, None, EngineSettings(prompt_cache_bytes=512 * 2**20))
+    return Engine.load(SMOLLM2_DIR, None, RunnerSettings(prompt_cache=512 * 2**20))

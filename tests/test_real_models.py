@@ -15,9 +15,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from common.requests import FinishReason
 from common.cpu_blas import mkl_library
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
-from runner.engine import Engine, EngineSettings
+from common.settings import RunnerSettings
+from runner.engine import Engine
 from common.protocol import runner_pb2
 from runner.request import GenerationRequest
 from tests.helpers import (collect, differences_from_llama_cpp, mlx_lm_greedy, rewrite_gguf,
@@ -181,10 +183,10 @@ def test_a_k_quant_file_imports_exactly_and_answers(tmp_path):
     assert {kind for kind, _, _ in differences.values()} == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
     assert all(difference == 0 for kind, difference, _ in differences.values() if kind != "Q6_K")
     assert all(levels <= 0.5001 for kind, _, levels in differences.values() if kind == "Q6_K")
-    engine = Engine.load(folder, None, EngineSettings(prompt_cache_bytes=0))
+    engine = Engine.load(folder, None, RunnerSettings(prompt_cache=0))
     tokens, text, last = collect(engine.generate(GenerationRequest(
         messages=(("user", "What is the capital of Germany?"),), max_tokens=40)))
-    assert "Berlin" in text and last.finish_reason == "stop", text
+    assert "Berlin" in text and last.finish_reason == FinishReason.STOP, text
 
 
 # -- SmolLM2 in a runner started by its CLI ------------------------------------------------------------
@@ -240,7 +242,7 @@ print(json.dumps([token for token, _ in generate_step(mx.array(ids), model, max_
 def test_smollm2_greedy_equals_mlx_lm_generate_step(smollm2, dtype):
     """Weights in the same form on both sides: kept 4-bit, or dequantized to float32. mlx-lm runs in a
     process of its own, at the same time (two cores)."""
-    engine = Engine.load(smollm2, None, EngineSettings(dtype=dtype, prompt_cache_bytes=0))
+    engine = Engine.load(smollm2, None, RunnerSettings(dtype=dtype, prompt_cache=0))
     assert engine.target.is_quantized == (dtype == "checkpoint")
     prompt_ids = engine.tokenizer.encode(chat_prompt(smollm2, STORY))
     reference = subprocess.Popen([sys.executable, "-c", MLX_LM_GREEDY, str(smollm2), dtype, json.dumps(prompt_ids),
@@ -263,11 +265,11 @@ def test_a_draft_with_another_vocabulary_is_refused_at_start_up(smollm2, tmp_pat
 def test_max_context_lowers_the_context(tmp_path):
     runner = RunnerProcess(tmp_path / "sockets", "--max-context", "512").wait_serving()
     try:
-        assert common.client.stub.Info(runner_pb2.InfoRequest(), timeout=5).target.context_length == 512
+        assert runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5).target.context_length == 512
         with pytest.raises(grpc.RpcError) as caught:
-            list(common.client.generate(timeout=30, prompt_ids=[7] * 600, max_tokens=4))
+            list(runner.client.generate(timeout=30, prompt_ids=[7] * 600, max_tokens=4))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context of 512" in caught.value.details()
-        chunks = list(common.client.generate(timeout=30, prompt_ids=[7] * 500, max_tokens=100, ignore_eos=True))
+        chunks = list(runner.client.generate(timeout=30, prompt_ids=[7] * 500, max_tokens=100, ignore_eos=True))
         assert chunks[-1].stats.generated_tokens == 12  # the room left in the context
         assert chunks[-1].finish_reason == runner_pb2.FINISH_REASON_LENGTH
     finally:
@@ -284,11 +286,11 @@ def test_a_sliding_window_model_speculates_past_its_window(tmp_path):
     runner = RunnerProcess(tmp_path / "sockets", target=folder, draft=DEFAULT_DRAFT).wait_serving()
     prompt = "The for statement is used to iterate over"
     try:
-        info = common.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
+        info = runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
         assert info.speculative and info.target.rewindable and "RotatingKVCache" in info.target.cache
         outputs = {}
         for drafter in ("none", "model", "ngram"):
-            chunks = list(common.client.generate(timeout=60, prompt=prompt, max_tokens=150, ignore_eos=True,
+            chunks = list(runner.client.generate(timeout=60, prompt=prompt, max_tokens=150, ignore_eos=True,
                                                  drafter=drafter, num_draft_tokens=0 if drafter == "none" else 3))
             outputs[drafter] = ([t for c in chunks for t in c.token_ids], chunks[-1].stats)
     finally:
@@ -314,17 +316,17 @@ def test_a_cache_list_model_speculates_and_batches(tmp_path):
     runner = RunnerProcess(tmp_path / "sockets", "--max-batch", "4", target=folder, draft=DEFAULT_DRAFT).wait_serving()
     prompts = ["The for statement is used to iterate over", "A class definition", "The import statement"]
     try:
-        info = common.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
+        info = runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
         assert info.speculative and info.target.rewindable and info.target.cache == "CacheList"
         alone = {}
         for drafter in ("none", "model"):
-            chunks = list(common.client.generate(timeout=60, prompt=prompts[0], max_tokens=80, ignore_eos=True,
+            chunks = list(runner.client.generate(timeout=60, prompt=prompts[0], max_tokens=80, ignore_eos=True,
                                                  drafter=drafter, num_draft_tokens=0 if drafter == "none" else 3))
             alone[drafter] = ([t for c in chunks for t in c.token_ids], chunks[-1].stats)
         together = {}
 
         def client(prompt):
-            chunks = list(common.client.generate(timeout=120, prompt=prompt, max_tokens=80, ignore_eos=True))
+            chunks = list(runner.client.generate(timeout=120, prompt=prompt, max_tokens=80, ignore_eos=True))
             together[prompt] = ([t for c in chunks for t in c.token_ids], chunks[-1].stats)
 
         threads = [threading.Thread(target=client, args=(prompt,)) for prompt in prompts]

@@ -18,7 +18,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path):
     runner = RunnerProcess(tmp_path / "sockets").wait_serving()
     assert stat.S_IMODE(os.stat(runner.socket).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(runner.socket.parent).st_mode) == 0o700
-    call = common.client.generate(timeout=60, prompt="x", max_tokens=200, ignore_eos=True)
+    call = runner.client.generate(timeout=60, prompt="x", max_tokens=200, ignore_eos=True)
     next(call)
     runner.process.send_signal(signal.SIGTERM)
     chunks = list(call)  # in-flight work finishes inside the grace period

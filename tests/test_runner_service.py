@@ -42,7 +42,7 @@ def runner(tmp_path_factory):
 
 
 def stream(runner, **fields):
-    chunks = list(common.client.generate(timeout=120, **fields))
+    chunks = list(runner.client.generate(timeout=120, **fields))
     return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks
 
 
@@ -76,7 +76,7 @@ def test_prompt_ids_and_sampling_fields_travel(runner, engine):
 
 
 def test_info_describes_the_pair(runner):
-    info = common.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
+    info = runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
     assert info.target.architecture == "llama" and info.draft.architecture == "llama"
     assert 13e6 < info.target.parameters < 15e6 and 0.5e6 < info.draft.parameters < 1.5e6
     assert info.target.context_length >= 8192 and info.release_interval == 256
@@ -113,7 +113,7 @@ def test_oversized_message_is_refused_by_the_transport(runner):
     with pytest.raises(grpc.RpcError) as caught:
         stream(runner, prompt="y" * (9 * 2**20), max_tokens=1)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert common.client.health_status() == SERVING
+    assert runner.client.health_status() == SERVING
 
 
 def long_request(runner, results, key, tokens=4000, **extra):
@@ -128,7 +128,7 @@ def long_request(runner, results, key, tokens=4000, **extra):
 
 
 def memory(runner):
-    return common.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=1.0)
+    return runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=1.0)
 
 
 def test_a_full_batch_queues_and_overflow_is_resource_exhausted(runner):
@@ -155,18 +155,18 @@ def test_health_and_memory_answer_during_a_long_generation(runner):
         m = memory(runner)  # each call has a 1 s deadline: a blocked runner would fail here
         if m.busy:
             assert m.rss > m.active > 0
-            assert common.client.health_status(timeout=1.0) == SERVING
+            assert runner.client.health_status(timeout=1.0) == SERVING
             answered += 1
         time.sleep(0.05)
     assert answered == 20
-    release = common.client.stub.ReleaseMemory(runner_pb2.ReleaseMemoryRequest(), timeout=5)
+    release = runner.client.stub.ReleaseMemory(runner_pb2.ReleaseMemoryRequest(), timeout=5)
     assert release.cache_after <= release.cache_before
     thread.join(120)
     assert results["long"][2][-1].stats.generated_tokens == 1500  # the release did not disturb it
 
 
 def test_cancelled_stream_frees_the_runner_for_the_next_request(runner):
-    call = common.client.generate(timeout=120, prompt=PROMPT, max_tokens=6000, ignore_eos=True)
+    call = runner.client.generate(timeout=120, prompt=PROMPT, max_tokens=6000, ignore_eos=True)
     for n, _ in enumerate(call):
         if n == 3:
             break
@@ -178,7 +178,7 @@ def test_cancelled_stream_frees_the_runner_for_the_next_request(runner):
 
 def test_deadline_stops_the_generation(runner):
     with pytest.raises(grpc.RpcError) as caught:
-        for _ in common.client.generate(timeout=1.0, prompt=PROMPT, max_tokens=6000, ignore_eos=True):
+        for _ in runner.client.generate(timeout=1.0, prompt=PROMPT, max_tokens=6000, ignore_eos=True):
             pass
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_until(lambda: not memory(runner).busy, 5)
@@ -186,9 +186,9 @@ def test_deadline_stops_the_generation(runner):
 
 def test_debug_rpcs_are_off_by_default(runner):
     with pytest.raises(grpc.RpcError) as caught:
-        common.client.stub.DebugBlock(runner_pb2.DebugBlockRequest(seconds=5), timeout=5)
+        runner.client.stub.DebugBlock(runner_pb2.DebugBlockRequest(seconds=5), timeout=5)
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(grpc.RpcError) as caught:
-        common.client.stub.DebugExit(runner_pb2.DebugExitRequest(code=1), timeout=5)
+        runner.client.stub.DebugExit(runner_pb2.DebugExitRequest(code=1), timeout=5)
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert runner.alive()

@@ -16,7 +16,8 @@ from runner.decoders import PlainDecoder, SpeculativeDecoder
 from common.defaults import DEFAULT_DRAFT, SMOLLM2_DIR
 from runner.depth import DepthController, FixedDepth
 from runner.drafters import NgramDrafter
-from runner.engine import Engine, EngineSettings
+from common.settings import RunnerSettings
+from runner.engine import Engine
 from runner.prefill import PrefillPlanner
 from runner.request import GenerationRequest
 from runner.sampling import SamplingParams, point_mass, verify_sampled
@@ -240,7 +241,7 @@ def test_sampled_speculation_with_ngram_is_reproducible_with_a_seed(engine):
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     folder = tiny_hybrid_model(tmp_path_factory.mktemp("hybrid") / "lfm2")
-    return Engine.load(folder, DEFAULT_DRAFT, EngineSettings(prompt_cache_bytes=0))
+    return Engine.load(folder, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0))
 
 
 @pytest.mark.parametrize("fields", [dict(drafter="model", num_draft_tokens=1), dict(drafter="model", num_draft_tokens=4),
@@ -257,7 +258,7 @@ def test_hybrid_model_speculates_by_restoring_its_recurrent_state(hybrid, fields
 
 
 def test_smollm2_ngram_drafting_on_a_grounded_prompt_equals_plain():
-    engine = Engine.load(SMOLLM2_DIR, None, EngineSettings(prompt_cache_bytes=0))
+    engine = Engine.load(SMOLLM2_DIR, None, RunnerSettings(prompt_cache=0))
     assert engine.default_drafter == "ngram"
     messages = (("user", GROUNDED.removesuffix("The list again:\n- for statements")
                  + "Now repeat the list exactly, one item a line."),)

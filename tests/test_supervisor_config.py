@@ -3,7 +3,8 @@
 import pytest
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from supervisor.config import ConfigError, default_config, from_dict, load, parse_duration, parse_size
+from supervisor.config import (ConfigError, default_config, from_dict, load, parse_duration, parse_size,
+                               resolve_gguf)
 from tests.processes import REPO, SupervisorProcess, serve_expecting_refusal, terminate
 
 GOOD = {"models": {"m": {"target": str(DEFAULT_TARGET), "draft": str(DEFAULT_DRAFT)}}}
@@ -30,7 +31,7 @@ cache_limit = "unbounded"
     config = load(path)
     m = config.models["m"]
     assert m.soft_limit == 2**30 and m.hard_limit == 2 * 2**30 and m.keep_alive == 300
-    assert m.cache_limit == "unbounded" and config.health_period == 0.5 and config.loaded_cap == 1
+    assert m.runner.cache_limit == "unbounded" and config.health_period == 0.5 and config.loaded_cap == 1
 
 
 def test_zero_config_serves_the_default_pair_on_loopback():
@@ -108,14 +109,17 @@ SMOLLM2_GGUF = REPO / ".whl" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # from make re
 
 
 def test_a_gguf_target_is_imported_once_and_reused(tmp_path):
-    """A model's target may be a .gguf file: the config imports it into the GGUF cache folder once (in a child
-    process), and a later load finds that folder and imports nothing."""
+    """A model's target may be a .gguf file: reading the config imports nothing; at start-up (``resolve_gguf``)
+    it is imported into the GGUF cache folder once (in a child process), and a later start finds that folder and
+    imports nothing."""
     data = {"gguf_cache_dir": "cache", "models": {"smol": {"target": str(SMOLLM2_GGUF)}}}
-    folder = from_dict(data, tmp_path).models["smol"].target
+    config = from_dict(data, tmp_path)
+    assert config.models["smol"].target == SMOLLM2_GGUF and not (tmp_path / "cache").exists()
+    folder = resolve_gguf(config).models["smol"].target
     assert folder.parent == tmp_path / "cache" and folder.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
     assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
     written = (folder / "model.safetensors").stat().st_mtime_ns
-    assert from_dict(data, tmp_path).models["smol"].target == folder
+    assert resolve_gguf(from_dict(data, tmp_path)).models["smol"].target == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == written  # not imported again
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [folder.name]  # no partial folder left
 
@@ -125,8 +129,9 @@ def test_a_gguf_the_importer_refuses_is_a_config_error_naming_the_key(tmp_path):
     with open(SMOLLM2_GGUF, "rb") as f:
         truncated.write_bytes(f.read(5_000_000))
     data = {"gguf_cache_dir": "cache", "models": {"m": {"target": str(DEFAULT_TARGET), "draft": str(truncated)}}}
+    config = from_dict(data, tmp_path)
     with pytest.raises(ConfigError) as error:
-        from_dict(data, tmp_path)
+        resolve_gguf(config)
     assert error.value.key == "models.m.draft" and "extends past the end of the file" in str(error.value)
     assert not any((tmp_path / "cache").iterdir())  # the cut-short import left nothing behind
     with pytest.raises(ConfigError, match="no such file"):

@@ -1,4 +1,3 @@
-from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -61,11 +60,11 @@ class GenerateRequest(_message.Message):
     request_id: str
     ignore_eos: bool
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    chat_template_kwargs: _struct_pb2.Struct
+    chat_template_kwargs: str
     logprobs: bool
     top_logprobs: int
     drafter: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round", "time_to_first_token_s", "prefill_s", "decode_s", "tokens_per_second", "releases", "release_positions", "active_memory", "cache_memory", "peak_memory", "prefill_chunks", "cached_tokens", "drafter", "depths")

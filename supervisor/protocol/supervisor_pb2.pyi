@@ -1,4 +1,3 @@
-from google.protobuf import struct_pb2 as _struct_pb2
 from common.protocol import runner_pb2 as _runner_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -59,12 +58,12 @@ class GenerateRequest(_message.Message):
     request_id: str
     ignore_eos: bool
     messages: _containers.RepeatedCompositeFieldContainer[_runner_pb2.ChatMessage]
-    chat_template_kwargs: _struct_pb2.Struct
+    chat_template_kwargs: str
     logprobs: bool
     top_logprobs: int
     drafter: str
     model: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[_runner_pb2.ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[_runner_pb2.ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class MemorySample(_message.Message):
     __slots__ = ("rss", "anonymous", "pss", "uss", "peak_rss", "growth_bytes_per_s", "mlx_active", "mlx_cache", "mlx_peak", "mlx_releases", "soft_limit", "hard_limit", "history_samples", "estimate", "prompt_cache")

@@ -1,0 +1,125 @@
+"""What a generation request may ask, decided in one place, and how a generation ends.
+
+``check_fields`` is the one judge of a request's fields, with one wording: the runner calls it when it prepares
+a request (``runner.request.prepare``), the supervisor calls it on every request of its gRPC API before it
+looks for the model (``check_message``), and the HTTP API calls it before it builds the message (a number past
+what the message's field holds, or a string that is not Unicode, would otherwise fail in the protobuf
+library). A refusal is ``InvalidRequest`` naming the field, which every API answers as its own "bad request".
+
+What needs the model (the tokenizer, the context length, which drafters it has) is checked by the runner.
+Importable without MLX.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+
+from .defaults import MAX_MESSAGE_BYTES, MAX_NUM_DRAFT_TOKENS
+from .errors import InvalidRequest
+from .settings import DRAFTERS
+
+INT32_MAX = 2**31 - 1
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 256
+MAX_TOP_LOGPROBS = 20
+ROLES = ("system", "user", "assistant", "tool")
+# A request message must reach the runner: the gRPC limit, less room for the fields around the prompt.
+MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
+
+
+class FinishReason(enum.IntEnum):
+    """Why a generation ended: the runner's contract's numbers (``runner.proto``'s FinishReason), used as they are
+    from the stopping criteria to each API's adapter, which names it in its own words."""
+
+    STOP = 1  # end of sequence, end of turn, or a stop string
+    LENGTH = 2  # max_tokens or the context length
+    CANCELLED = 3  # the client went away or the runner is stopping
+
+
+def _text(field: str, value: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(field, "is not valid Unicode text (it holds a lone surrogate such as \\ud800)") from None
+
+
+def check_fields(*, prompt: str = "", prompt_ids=(), messages=(), max_tokens: int = 256, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=(),
+                 num_draft_tokens: int | None = None, logprobs: bool = False, top_logprobs: int = 0,
+                 drafter: str = "", chat_template_kwargs: str = "") -> None:
+    """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs;
+    ``chat_template_kwargs``: a JSON object, as text."""
+    if not prompt and not len(prompt_ids) and not len(messages):
+        raise InvalidRequest("prompt", "must not be empty (set prompt, prompt_ids or messages)")
+    if len(messages) and (prompt or len(prompt_ids)):
+        raise InvalidRequest("messages", "set one of prompt, prompt_ids and messages")
+    if prompt and len(prompt_ids):
+        raise InvalidRequest("prompt", "set prompt or prompt_ids, not both")
+    _text("prompt", prompt)
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in prompt_ids):
+        raise InvalidRequest("prompt_ids", f"token ids must lie in [0, {INT32_MAX}]")
+    for index, (role, content) in enumerate(messages):
+        if role not in ROLES:
+            raise InvalidRequest("messages", f"message {index}: role {role!r} is not one of {', '.join(ROLES)}")
+        _text("messages", content)
+    if not 1 <= max_tokens <= INT32_MAX:
+        raise InvalidRequest("max_tokens", f"must lie in [1, {INT32_MAX}]")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest("temperature", "must be a finite number >= 0")
+    if not 0 <= top_k <= INT32_MAX:
+        raise InvalidRequest("top_k", f"must lie in [0, {INT32_MAX}] (0 turns it off)")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise InvalidRequest("top_p", "must lie in (0, 1]")
+    if not (math.isfinite(min_p) and 0 <= min_p <= 1):
+        raise InvalidRequest("min_p", "must lie in [0, 1]")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise InvalidRequest("seed", "must lie in [0, 2**63)")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    for text in stop:
+        _text("stop", text)
+        if len(text) > MAX_STOP_LENGTH:
+            raise InvalidRequest("stop", f"each stop string is at most {MAX_STOP_LENGTH} characters")
+    if num_draft_tokens is not None and not 0 <= num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+        raise InvalidRequest("num_draft_tokens", f"must lie in [0, {MAX_NUM_DRAFT_TOKENS}]")
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest("top_logprobs", f"must lie in [0, {MAX_TOP_LOGPROBS}]")
+    if top_logprobs and not logprobs:
+        raise InvalidRequest("top_logprobs", "needs logprobs")
+    if drafter and drafter not in DRAFTERS:
+        raise InvalidRequest("drafter", f"must be one of {', '.join(DRAFTERS)} (or empty)")
+    template_kwargs(chat_template_kwargs)
+
+
+def template_kwargs(text: str) -> dict:
+    """The chat template's extra arguments, from their JSON text ("" = none)."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise InvalidRequest("chat_template_kwargs", "must be a JSON object") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest("chat_template_kwargs", "must be a JSON object")
+    return value
+
+
+def check_message(message) -> None:
+    """``check_fields`` on a GenerateRequest message (the runner's or the supervisor's), and its size: a request
+    the runner could not receive is refused here, saying so, not answered with the transport's error."""
+    size = message.ByteSize()
+    if size > MAX_REQUEST_BYTES:
+        field = "messages" if len(message.messages) else "prompt"
+        raise InvalidRequest(field, f"the request is {size} bytes, more than the {MAX_REQUEST_BYTES} a request may "
+                                    "be: the prompt is too long")
+    check_fields(
+        prompt=message.prompt, prompt_ids=message.prompt_ids,
+        messages=[(m.role, m.content) for m in message.messages], max_tokens=message.max_tokens,
+        temperature=message.temperature, top_k=message.top_k,
+        top_p=message.top_p if message.HasField("top_p") else 1.0, min_p=message.min_p,
+        seed=message.seed if message.HasField("seed") else None, stop=message.stop,
+        num_draft_tokens=message.num_draft_tokens if message.HasField("num_draft_tokens") else None,
+        logprobs=message.logprobs, top_logprobs=message.top_logprobs, drafter=message.drafter,
+        chat_template_kwargs=message.chat_template_kwargs)

@@ -1,0 +1,277 @@
+"""A runner's settings: one description, validated once, read from the config file or the runner's command line.
+
+``RunnerSettings`` names every setting of one runner process, with its default and its check, once. The
+supervisor reads a model's table of the TOML config into it (``from_table``), turns it into the runner's
+command line (``to_argv``: ``--key-with-dashes VALUE`` for each value that is not the default), and the runner
+parses that back (``from_argv``) into the same object, which its engine, worker and gRPC server read. A person
+starting a runner by hand uses the same flags. Every problem is one ``SettingsError`` naming the key.
+
+Sizes take a number of bytes or a string such as ``512MiB`` or ``2GB``; durations a number of seconds or a
+string such as ``30s`` or ``5m``. Importable without MLX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .defaults import (DEFAULT_DTYPE, DEFAULT_GRACE, DEFAULT_MAX_BATCH, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_QUEUE,
+                       DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES,
+                       DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER, DTYPES, MAX_NUM_DRAFT_TOKENS)
+
+DRAFTERS = ("model", "ngram", "none")
+CACHE_LIMIT_DEFAULT = "default"  # MLX's own pool cap
+CACHE_LIMIT_UNBOUNDED = "unbounded"  # the memory limit (what Metal and CUDA default to)
+
+
+class SettingsError(ValueError):
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+
+# -- values ---------------------------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}
+
+
+def parse_size(key: str, value) -> int:
+    if isinstance(value, bool):
+        raise SettingsError(key, "expected a size such as 512MiB or 2GB")
+    if isinstance(value, int):
+        if value < 0:
+            raise SettingsError(key, "must not be negative")
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise SettingsError(key, f"{value!r} is not a size such as 512MiB or 2GB")
+    unit = (match.group(2) or "").lower().removesuffix("b")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_duration(key: str, value) -> float:
+    if isinstance(value, bool):
+        raise SettingsError(key, "expected a duration such as 30s or 5m")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise SettingsError(key, "must not be negative")
+        return float(value)
+    match = _DURATION.match(str(value))
+    if not match:
+        raise SettingsError(key, f"{value!r} is not a duration such as 30s or 5m")
+    return float(match.group(1)) * _SECONDS[match.group(2)]
+
+
+def _typed(kind):
+    def parse(key: str, value):
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise SettingsError(key, f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return parse
+
+
+def _path(key: str, value) -> Path:
+    if isinstance(value, Path):
+        return value
+    if not isinstance(value, str) or not value:
+        raise SettingsError(key, "expected a path")
+    return Path(value)
+
+
+def _depth(key: str, value) -> int | None:
+    if value == "auto" or value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NUM_DRAFT_TOKENS:
+        raise SettingsError(key, f'must be "auto" or a number in [0, {MAX_NUM_DRAFT_TOKENS}]')
+    return value
+
+
+def _cache_limit(key: str, value) -> str | int:
+    return value if value in (CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED) else parse_size(key, value)
+
+
+# The text form of a value on the command line, for each parser that does not take strings already.
+_FROM_TEXT = {"int": int, "float": float, "depth": lambda text: text if text == "auto" else int(text)}
+_PARSERS = {"int": _typed(int), "float": _typed(float), "bool": _typed(bool), "str": _typed(str), "path": _path,
+            "size": parse_size, "duration": parse_duration, "depth": _depth, "cache_limit": _cache_limit}
+
+
+def setting(default, kind: str, help: str, *, config: bool = True):
+    """A field of ``RunnerSettings``: its default, how its value is read (``_PARSERS``), what it means, and
+    whether a model's config table takes it (``config=False``: the supervisor sets it itself)."""
+    return field(default=default, metadata={"kind": kind, "help": help, "config": config})
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    target: Path | None = setting(None, "path", "the target model's folder (mlx-lm layout), or a .gguf file in "
+                                                "the supervisor's config (imported once at start-up)")
+    draft: Path | None = setting(None, "path", "the draft model's folder (or .gguf); none = no draft model")
+    name: str = setting("default", "str", "the model's name, for logs and Info", config=False)
+    drafter: str = setting("", "str", 'what drafts: "model" (the draft), "ngram" (lookup in the context) or '
+                                      '"none"; default: model when there is a draft, else ngram')
+    num_draft_tokens: int | None = setting(None, "depth", '"auto": the depth is chosen round by round '
+                                                          "(runner/depth.py); a number pins it")
+    max_draft_tokens: int = setting(DEFAULT_MAX_DRAFT_TOKENS, "int", 'the deepest round "auto" tries')
+    ngram_max: int = setting(DEFAULT_NGRAM_MAX, "int", "the longest context suffix n-gram lookup matches")
+    ngram_min: int = setting(DEFAULT_NGRAM_MIN, "int", "the shortest context suffix n-gram lookup matches")
+    release_interval: int = setting(DEFAULT_RELEASE_INTERVAL, "int",
+                                    "release MLX's pool when a round's generated count crosses a multiple of this")
+    release_enabled: bool = setting(True, "bool", "debug: false never releases the pool (shows the leak)")
+    cache_limit: str | int = setting(CACHE_LIMIT_DEFAULT, "cache_limit",
+                                     'MLX\'s pool cap: "default" (MLX\'s), "unbounded" or a size')
+    prefill_chunk: int = setting(DEFAULT_PREFILL_CHUNK, "int", "the most prompt tokens one forward pass takes")
+    dtype: str = setting(DEFAULT_DTYPE, "str", '"auto" (the checkpoint\'s form on a GPU, float32 on the CPU if it '
+                                               'fits), "checkpoint" (as stored) or "float32"')
+    max_context: int = setting(0, "int", "lower the model's context length to this (0 = the model's own)")
+    prompt_cache: int | None = setting(None, "size", "bytes of KV caches kept for prefix reuse (0 = off; default: "
+                                                     "derived from memory, supervisor/memory.py)")
+    batch_memory: int | None = setting(None, "size", "bytes the batched requests' caches may take, projected to "
+                                                     "their ends; a request that would pass it waits (default: "
+                                                     "derived from memory by the supervisor, else no limit)")
+    malloc_trim: bool = setting(True, "bool", "give freed heap back to the system after each pool release (glibc)")
+    max_queue: int = setting(DEFAULT_MAX_QUEUE, "int", "requests that may wait for a place in the batch; the next "
+                                                       "is refused (RESOURCE_EXHAUSTED)")
+    max_batch: int = setting(DEFAULT_MAX_BATCH, "int", "requests decoded together at most (1 = one at a time)")
+    stall_after: float = setting(DEFAULT_STALL_AFTER, "duration",
+                                 "health turns NOT_SERVING when the MLX thread makes no progress this long; prefill "
+                                 "chunks are sized to take a quarter of it at most")
+    grace: float = setting(DEFAULT_GRACE, "duration", "seconds in-flight work gets after SIGTERM (the supervisor's "
+                                                      "drain_grace)", config=False)
+    debug_rpcs: bool = setting(False, "bool", "debug: enable the DebugBlock RPC")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):  # each value in its one form (a Path, seconds as a float, ...)
+            value = getattr(self, f.name)
+            if value is not None:
+                object.__setattr__(self, f.name, _PARSERS[f.metadata["kind"]](f.name, value))
+        self.validate()
+
+    # -- checks -----------------------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Every setting's range and how they go together; raises SettingsError naming the key."""
+        if self.drafter not in ("",) + DRAFTERS:
+            raise SettingsError("drafter", f"{self.drafter!r} is not one of {', '.join(DRAFTERS)}")
+        if self.drafter == "model" and self.draft is None:
+            raise SettingsError("drafter", '"model" needs a draft')
+        if not 1 <= self.max_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+            raise SettingsError("max_draft_tokens", f"must lie in [1, {MAX_NUM_DRAFT_TOKENS}]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise SettingsError("ngram_min", "must be at least 1 and at most ngram_max")
+        if self.release_interval <= 0:
+            raise SettingsError("release_interval", "must be positive")
+        if self.prefill_chunk <= 0:
+            raise SettingsError("prefill_chunk", "must be positive")
+        if self.dtype not in DTYPES:
+            raise SettingsError("dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.max_context < 0 or self.max_context == 1:
+            raise SettingsError("max_context", "must be at least 2 (0 = the model's own)")
+        if self.batch_memory is not None and self.batch_memory <= 0:
+            raise SettingsError("batch_memory", "must be positive")
+        if self.max_queue < 0:
+            raise SettingsError("max_queue", "must be >= 0")
+        if self.max_batch < 1:
+            raise SettingsError("max_batch", "must be at least 1")
+        if self.stall_after <= 0:
+            raise SettingsError("stall_after", "must be positive")
+
+    # -- what the engine reads --------------------------------------------------------------------------
+
+    @property
+    def prefill_seconds(self) -> float:
+        """A prefill chunk should take about this long, at most: a quarter of the stall time."""
+        return self.stall_after / 4
+
+    @property
+    def prefill_score_bytes(self) -> int:
+        """CPU attention's transient score matrix, at most (``runner.prefill``)."""
+        return DEFAULT_PREFILL_SCORE_BYTES
+
+    # -- the config file --------------------------------------------------------------------------------
+
+    @classmethod
+    def config_keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.metadata["config"]]
+
+    @classmethod
+    def from_table(cls, table: dict, **given) -> RunnerSettings:
+        """Read the keys of ``table`` that are settings (a model's config table); ``table`` keeps the rest.
+        ``given``: settings the caller sets itself (the name, the grace)."""
+        values = dict(given)
+        for key in cls.config_keys():
+            if key in table:
+                values[key] = _PARSERS[_kind(key)](key, table.pop(key))
+        return cls(**values)
+
+    # -- the runner's command line ----------------------------------------------------------------------
+
+    def to_argv(self) -> list[str]:
+        """``--key-with-dashes VALUE`` for every setting that is not its default (booleans ``--key`` or
+        ``--no-key``); ``from_argv`` reads it back into an equal object."""
+        argv = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, bool):
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, "auto" if value is None else str(value)]
+        return argv
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("settings (also the keys of a model's table in the supervisor's config)")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = "auto" if f.name == "num_draft_tokens" else f.default
+            if f.metadata["kind"] == "bool":
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                   help=f.metadata["help"])
+            else:
+                group.add_argument(flag, dest=f.name, default=None, metavar=f.metadata["kind"].upper(),
+                                   help=f"{f.metadata['help']} (default: {default})")
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> RunnerSettings:
+        values = {}
+        for f in dataclasses.fields(cls):
+            value = getattr(namespace, f.name)
+            if value is None or isinstance(value, bool):
+                if value is not None:
+                    values[f.name] = value
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            convert = _FROM_TEXT.get(f.metadata["kind"])
+            try:
+                value = convert(value) if convert else value
+            except ValueError:
+                raise SettingsError(flag, f"{value!r} is not a valid {f.metadata['kind']}") from None
+            try:
+                values[f.name] = _PARSERS[f.metadata["kind"]](flag, value)
+            except SettingsError as error:
+                raise SettingsError(flag, error.message) from None
+        return cls(**values)
+
+    @classmethod
+    def from_argv(cls, argv: list[str]) -> RunnerSettings:
+        parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+        cls.add_arguments(parser)
+        return cls.from_namespace(parser.parse_args(argv))
+
+
+def _kind(name: str) -> str:
+    return RunnerSettings.__dataclass_fields__[name].metadata["kind"]

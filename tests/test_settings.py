@@ -1,0 +1,66 @@
+"""A runner's settings: one description, read from a config table or a command line, the same either way."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, MAX_NUM_DRAFT_TOKENS
+from common.settings import RunnerSettings, SettingsError
+from runner.__main__ import parse_args
+
+EVERY_SETTING_CHANGED = RunnerSettings(
+    target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, name="m", drafter="ngram", num_draft_tokens=3, max_draft_tokens=9,
+    ngram_max=5, ngram_min=3, release_interval=128, release_enabled=False, cache_limit=123456, prefill_chunk=512,
+    dtype="float32", max_context=4096, prompt_cache=2**30, batch_memory=2**29, malloc_trim=False, max_queue=7,
+    max_batch=3, stall_after=12.5, grace=3.0, debug_rpcs=True)
+
+
+def test_every_setting_survives_the_command_line():
+    for f in dataclasses.fields(RunnerSettings):
+        assert getattr(EVERY_SETTING_CHANGED, f.name) != f.default, f.name  # the case covers every field
+    args, settings = parse_args(["--listen", "unix:///tmp/x.sock", *EVERY_SETTING_CHANGED.to_argv()])
+    assert settings == EVERY_SETTING_CHANGED and args.listen == "unix:///tmp/x.sock"
+
+
+def test_defaults_make_no_flags_and_parse_back_to_defaults():
+    settings = RunnerSettings(target=DEFAULT_TARGET)
+    assert settings.to_argv() == ["--target", str(DEFAULT_TARGET)]
+    assert parse_args(["--listen", "127.0.0.1:1", "--target", str(DEFAULT_TARGET)])[1] == settings
+
+
+def test_a_config_table_gives_the_same_settings_and_keeps_other_keys():
+    table = {"target": str(DEFAULT_TARGET), "num_draft_tokens": "auto", "prompt_cache": "1GiB", "stall_after": "1m",
+             "cache_limit": "unbounded", "keep_alive": "5m"}
+    settings = RunnerSettings.from_table(table, name="m")
+    assert table == {"keep_alive": "5m"}  # not a runner setting: the caller's
+    assert settings.target == Path(DEFAULT_TARGET) and settings.num_draft_tokens is None
+    assert settings.prompt_cache == 2**30 and settings.stall_after == 60.0 and settings.cache_limit == "unbounded"
+
+
+@pytest.mark.parametrize("table, key, message", [
+    ({"num_draft_tokens": MAX_NUM_DRAFT_TOKENS + 1}, "num_draft_tokens", '"auto" or a number'),
+    ({"max_batch": 0}, "max_batch", "at least 1"),
+    ({"max_batch": "4"}, "max_batch", "expected int, got str"),
+    ({"ngram_min": 5}, "ngram_min", "at most ngram_max"),
+    ({"drafter": "model"}, "drafter", "needs a draft"),
+    ({"drafter": "oracle"}, "drafter", "is not one of model, ngram, none"),
+    ({"dtype": "int3"}, "dtype", "is not one of"),
+    ({"prompt_cache": "lots"}, "prompt_cache", "is not a size"),
+    ({"stall_after": "soon"}, "stall_after", "is not a duration"),
+    ({"max_context": 1}, "max_context", "at least 2"),
+    ({"release_enabled": "yes"}, "release_enabled", "expected bool"),
+])
+def test_each_mistake_is_one_error_naming_its_key(table, key, message):
+    with pytest.raises(SettingsError) as error:
+        RunnerSettings.from_table({"target": str(DEFAULT_TARGET), **table})
+    assert error.value.key == key and message in str(error.value)
+
+
+def test_the_runner_refuses_a_bad_flag_naming_it(capsys):
+    with pytest.raises(SystemExit) as done:
+        parse_args(["--listen", "127.0.0.1:1", "--target", str(DEFAULT_TARGET), "--max-batch", "many"])
+    assert done.value.code == 2 and "--max-batch: 'many' is not a valid int" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--listen", "127.0.0.1:1"])
+    assert "--target is required" in capsys.readouterr().err
