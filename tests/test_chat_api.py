@@ -35,7 +35,8 @@ def sup(tmp_path_factory):
               + model_toml("pair")
               + model_toml("busy", max_queue=0, max_batch=1))
     # With the cyclic collector off, a stream whose runner call were released only when collected stays held.
-    sup = SupervisorProcess(tmp_path_factory.mktemp("chat"), models, collector=False, auth_token=TOKEN).wait_ready(180)
+    sup = SupervisorProcess(tmp_path_factory.mktemp("chat"), models, collector=False, auth_token=TOKEN,
+                            log_format="json").wait_ready(180)
     yield sup
     assert sup.stop() == 0
 
@@ -379,3 +380,13 @@ def test_chat_template_arguments_keep_their_types(sup):
     answer = raw_post(sup, "chat/completions", json.dumps({"model": "smol", "messages": CAPITAL, "max_tokens": 3,
                                                             "chat_template_kwargs": {"n": 2}}).encode())
     assert answer.status_code == 200, answer.text
+
+
+def test_the_json_log_is_one_record_a_line_with_the_model_and_pid(sup):
+    """This supervisor runs with log_format = "json", as a log collector wants it."""
+    smol_pid = sup.client.model("smol").pid
+    entries = [json.loads(line) for line in sup.stderr.splitlines() if line.strip()]
+    assert entries and all({"time", "level", "process", "model", "pid", "message"} <= set(e) for e in entries)
+    served = [e for e in entries if e["process"] == "runner" and e["model"] == "smol" and e["pid"] == smol_pid]
+    assert any(e["message"].startswith("serving smol after") for e in served)
+    assert any(e["process"] == "supervisor" and "listening on" in e["message"] for e in entries)

@@ -1,6 +1,7 @@
 """The real supervisor with real runners: serving, crashes, probes, shutdown."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -58,6 +59,14 @@ def test_both_models_generate_at_once_and_report_memory(two_models):
     status, body = sup.probe("/metrics")
     assert status == 200 and 'mlxserve_runner_rss_bytes{model="alpha"}' in body
     assert 'mlxserve_requests_total{code="OK",model="beta"}' in body
+    # The log: one record a line, one timestamp each; the runners' records name their model and pid.
+    pids = {m.name: m.pid for m in models.values()}
+    lines = sup.stderr.splitlines()
+    for name in ("alpha", "beta"):
+        started = [line for line in lines if f"INFO runner[{name}:{pids[name]}] serving {name} after" in line]
+        assert len(started) == 1, lines[:20]
+    stamped = [line for line in lines if re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", line)]
+    assert all(len(re.findall(r"\d\d:\d\d:\d\d,\d{3}", line)) == 1 for line in stamped)
     assert PROMPT not in body and results["alpha"][0][:40] not in body  # no prompts or outputs
     assert sup.probe("/readyz")[0] == 200 and sup.probe("/healthz") == (200, "ok\n")
     assert sup.client.health_status("alpha") == SERVING and sup.client.health_status("beta") == SERVING
