@@ -57,13 +57,19 @@ def grpc_chat(sup, model: str, messages, **fields):
 
 
 def test_grpc_chat_uses_the_chat_template_and_stops_at_the_end_of_the_turn(sup):
+    assert sup.client.model("smol").memory.prompt_cache.entries == 0  # the module's first request to smol
     chunks = grpc_chat(sup, "smol", CAPITAL, max_tokens=60)
     text = "".join(c.text for c in chunks)
     assert "Paris" in text and "<|im_end|>" not in text
     last = chunks[-1]
     assert last.finish_reason == runner_pb2.FINISH_REASON_STOP and last.stats.generated_tokens < 60
     assert last.stats.prompt_tokens > 20  # the template's system message and turn markers
-    assert last.stats.cached_tokens >= 0
+    assert last.stats.cached_tokens == 0  # nothing was cached yet
+    # The same conversation again: its whole prompt is cached but the last token, which must be run.
+    again = grpc_chat(sup, "smol", CAPITAL, max_tokens=60)
+    assert "".join(c.text for c in again) == text
+    assert again[-1].stats.prompt_tokens == last.stats.prompt_tokens
+    assert again[-1].stats.cached_tokens == last.stats.prompt_tokens - 1
 
 
 def test_grpc_chat_errors_name_the_problem(sup):
@@ -97,7 +103,8 @@ def test_chat_completion_answers_with_usage_and_speculation_figures(client):
     assert choice.finish_reason == "stop" and answer.object == "chat.completion" and answer.model == "smol"
     usage = answer.usage
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and usage.completion_tokens > 0
-    assert usage.prompt_tokens_details.cached_tokens is not None
+    # Cold, or (after the gRPC test) this very conversation's prompt but its last token.
+    assert usage.prompt_tokens_details.cached_tokens in (0, usage.prompt_tokens - 1)
     assert answer.model_extra["x_mlxserve"]["drafter"] in ("none", "ngram", "model")
 
 
@@ -218,9 +225,18 @@ def test_sse_framing(sup):
         raw = "".join(response.iter_text())
     events = raw.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = []
     for event in events[:-2]:
         assert event.startswith("data: ") and "\n" not in event
-        assert json.loads(event.removeprefix("data: "))["object"] == "text_completion"
+        chunks.append(json.loads(event.removeprefix("data: ")))
+        assert chunks[-1]["object"] == "text_completion"
+    # The answer came before [DONE]: its text, then one finish_reason, on the last chunk.
+    assert chunks, "a stream of nothing but [DONE]"
+    whole = httpx.post(f"{sup.base_url}/completions", json={**body, "stream": False}, timeout=60,
+                       headers={"Authorization": f"Bearer {TOKEN}"}).json()["choices"][0]
+    assert whole["finish_reason"] == "length" and whole["text"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
 
 
 def test_error_shape_over_raw_http(sup):

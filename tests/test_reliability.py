@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.defaults import DEFAULT_TARGET
+from common.protocol import runner_pb2
 from supervisor.client import SupervisorClient
 from supervisor.protocol import supervisor_pb2
 from tests.processes import SupervisorProcess, model_toml, serve_expecting_refusal, wait_until
@@ -198,20 +199,31 @@ def test_runner_killed_before_ready(tmp_path):
     sup = SupervisorProcess(tmp_path, model_toml("late", load_at_start=False))
     try:
         assert wait_until(lambda: sup.client.health_status() is not None, 60)
+        request = dict(model="late", prompt="x", max_tokens=3, ignore_eos=True)
         result = {}
+        # The request starts the model (not loaded at start): it waits before the runner even exists.
         t = threading.Thread(target=lambda: result.update(
-            r=outcome(lambda: sup.client.generate(timeout=120, model="late", prompt="x", max_tokens=3))))
+            r=outcome(lambda: sup.client.generate(timeout=120, **request))))
         t.start()
         assert wait_until(lambda: sup.client.model("late").pid != 0, 30, interval=0.005)
         first = sup.client.model("late")
-        assert first.state == supervisor_pb2.RUNNER_STATE_STARTING
+        # Frozen, the runner can neither come up nor stream; still STARTING once frozen, it never has: the kill
+        # lands while it loads, before the request reached it.
+        os.kill(first.pid, signal.SIGSTOP)
+        assert sup.client.model("late").state == supervisor_pb2.RUNNER_STATE_STARTING
         os.kill(first.pid, signal.SIGKILL)
         t.join(120)
-        # The request either rode the restart or was told clearly why it could not.
-        assert result["r"][0] in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE)
-        assert sup.client.wait_serving(60, service="late")
-        assert sup.client.model("late").restarts == 1
-        assert outcome(lambda: sup.client.generate(timeout=30, model="late", prompt="x", max_tokens=3))[0] == grpc.StatusCode.OK
+        assert not t.is_alive(), "the waiting request hung"
+        # It waited through the restart (STARTING, BACKOFF, STARTING: Scheduler.acquire) and was answered.
+        code, chunks = result["r"]
+        assert code == grpc.StatusCode.OK, code
+        assert chunks[-1].stats.generated_tokens == 3 and chunks[-1].finish_reason == runner_pb2.FINISH_REASON_LENGTH
+        restarted = sup.client.model("late")
+        assert restarted.restarts == 1 and restarted.pid not in (0, first.pid)
+        assert restarted.state == supervisor_pb2.RUNNER_STATE_SERVING
+        code, again = outcome(lambda: sup.client.generate(timeout=30, **request))
+        assert code == grpc.StatusCode.OK
+        assert "".join(c.text for c in again) == "".join(c.text for c in chunks)  # greedy: the same answer
     finally:
         assert sup.stop() == 0
 

@@ -107,6 +107,12 @@ def test_generated_stubs_match_the_proto(tmp_path):
     import runpy
 
     generate = runpy.run_path(str(REPO / "proto" / "generate.py"))["generate"]
-    for fresh in generate(tmp_path):
+    written = generate(tmp_path)
+    # Every stub of both protos, or a proto that went missing (or a generator that skips it) would pass unseen.
+    assert sorted(str(p.relative_to(tmp_path)) for p in written) == [
+        f"{package}/{stem}{suffix}" for package, stem in (("common/protocol", "runner"),
+                                                          ("supervisor/protocol", "supervisor"))
+        for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
+    for fresh in written:
         committed = REPO / fresh.relative_to(tmp_path)
         assert committed.read_text() == fresh.read_text(), f"{committed} is stale: run make proto"

@@ -65,9 +65,24 @@ def test_mistakes_name_their_key(tmp_path, data, key):
     assert str(caught.value).startswith(f"config: {key}: ")
 
 
-def test_remote_listen_needs_allow_remote(tmp_path):
-    config = from_dict({**GOOD, "listen": "0.0.0.0:6000", "allow_remote": True, "auth_token": "t"}, tmp_path)
-    assert config.listen == "0.0.0.0:6000" and config.auth_token == "t"
+@pytest.mark.parametrize("key, address", [("listen", "0.0.0.0:6000"), ("listen", "192.0.2.7:6000"),
+                                          ("listen", "[::]:6000"), ("http_listen", "0.0.0.0:8080"),
+                                          ("http_listen", "[2001:db8::1]:8080")])
+def test_remote_listen_needs_allow_remote(tmp_path, key, address):
+    with pytest.raises(ConfigError) as caught:
+        from_dict({**GOOD, key: address}, tmp_path)
+    assert caught.value.key == key
+    assert str(caught.value) == (f"config: {key}: {address} is not a loopback address: "
+                                 "set allow_remote = true to bind it")
+    config = from_dict({**GOOD, key: address, "allow_remote": True, "auth_token": "t"}, tmp_path)
+    assert getattr(config, key) == address and config.allow_remote and config.auth_token == "t"
+
+
+@pytest.mark.parametrize("key, address", [("listen", "127.0.0.1:6000"), ("listen", "localhost:6000"),
+                                          ("listen", "[::1]:6000"), ("listen", "unix:///tmp/mlxserve.sock"),
+                                          ("http_listen", "127.0.0.2:8080"), ("http_listen", "")])
+def test_loopback_listen_needs_no_allow_remote(tmp_path, key, address):
+    assert getattr(from_dict({**GOOD, key: address}, tmp_path), key) == address
 
 
 def test_sizes_and_durations():
