@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # MKL preload for MLX's CPU backend (common/cpu_blas.py); empty where MKL is absent.
 WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
 
-.PHONY: install proto test bench models real-model vocabularies run clean
+.PHONY: install proto lint format test bench models real-model vocabularies run clean
 
 install: $(VENV)/.installed
 
@@ -28,7 +28,16 @@ real-model: install
 vocabularies: install
 	$(BIN)/python models/gguf_vocabs.py
 
-test: install real-model vocabularies
+# ruff: the linter and the formatter's check (make format rewrites).
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: install lint real-model vocabularies
 	$(WITH_BLAS) $(BIN)/python -m pytest -q
 
 bench: install real-model

@@ -73,8 +73,10 @@ def demote(text: str) -> str:
 
 
 def section_text(name: str, printed: str, date: str, where: str) -> str:
-    return (f"{begin_marker(name)}\n## {name}\n\n`bench/{name}.py`, run on {date}: {where}.\n\n"
-            f"{demote(printed).strip()}\n\n{end_marker(name)}\n")
+    return (
+        f"{begin_marker(name)}\n## {name}\n\n`bench/{name}.py`, run on {date}: {where}.\n\n"
+        f"{demote(printed).strip()}\n\n{end_marker(name)}\n"
+    )
 
 
 def read_sections(page: str) -> dict[str, str]:
@@ -83,7 +85,7 @@ def read_sections(page: str) -> dict[str, str]:
     for name in SECTIONS:
         start, end = page.find(begin_marker(name)), page.find(end_marker(name))
         if start != -1 and end > start:
-            sections[name] = page[start:end + len(end_marker(name))] + "\n"
+            sections[name] = page[start : end + len(end_marker(name))] + "\n"
     return sections
 
 

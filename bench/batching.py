@@ -62,9 +62,13 @@ def load(sup, model: str, clients: int, requests: int, tokens: int, chat: bool) 
         thread.join()
     wall = time.perf_counter() - started
     ttfts.sort()
-    return {"rate": generated[0] / wall, "p50": statistics.median(ttfts) if ttfts else float("nan"),
-            "p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] if ttfts else float("nan"),
-            "refused": refused[0], "failed": failed}
+    return {
+        "rate": generated[0] / wall,
+        "p50": statistics.median(ttfts) if ttfts else float("nan"),
+        "p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] if ttfts else float("nan"),
+        "refused": refused[0],
+        "failed": failed,
+    }
 
 
 def measure(label: str, toml_model: str, model: str, requests: int, tokens: int, chat: bool) -> None:
@@ -81,15 +85,19 @@ def measure(label: str, toml_model: str, model: str, requests: int, tokens: int,
             finally:
                 sup.stop()
     print(f"## batching: {label}, each client {requests} x {tokens} greedy tokens\n")
-    print("| clients | batching | aggregate tok/s | vs one at a time | vs 1 client | time to first token p50 / p95 "
-          "| refused |")
+    print(
+        "| clients | batching | aggregate tok/s | vs one at a time | vs 1 client | time to first token p50 / p95 "
+        "| refused |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for clients in CLIENTS:
         for mode in ("off", "on"):
             r = rows[(mode, clients)]
-            print(f"| {clients} | {mode} | {r['rate']:.0f} | {r['rate'] / rows[('off', clients)]['rate']:.2f}x "
-                  f"| {r['rate'] / rows[(mode, 1)]['rate']:.2f}x | {r['p50']:.2f} s / {r['p95']:.2f} s "
-                  f"| {r['refused']}{' failed ' + str(r['failed']) if r['failed'] else ''} |")
+            print(
+                f"| {clients} | {mode} | {r['rate']:.0f} | {r['rate'] / rows[('off', clients)]['rate']:.2f}x "
+                f"| {r['rate'] / rows[(mode, 1)]['rate']:.2f}x | {r['p50']:.2f} s / {r['p95']:.2f} s "
+                f"| {r['refused']}{' failed ' + str(r['failed']) if r['failed'] else ''} |"
+            )
     print()
 
 
@@ -97,5 +105,11 @@ def run() -> None:
     from tests.processes import model_toml
 
     measure("default pair (a lone request speculates with its draft)", model_toml("pair"), "pair", 2, 128, False)
-    measure("SmolLM2-135M-Instruct, float32 (alone: n-gram drafting)",
-            model_toml("smol", target=SMOLLM2_DIR, draft=None), "smol", 1, 48, True)
+    measure(
+        "SmolLM2-135M-Instruct, float32 (alone: n-gram drafting)",
+        model_toml("smol", target=SMOLLM2_DIR, draft=None),
+        "smol",
+        1,
+        48,
+        True,
+    )

@@ -33,8 +33,12 @@ def answers(folder: Path) -> list[str]:
     from runner.request import GenerationRequest
 
     engine = Engine.load(folder, None, RunnerSettings(prompt_cache=0))
-    return ["".join(r.text for r in engine.generate(GenerationRequest(messages=(("user", q),), max_tokens=30)))
-            .strip().replace("\n", " ")[:60] for q in QUESTIONS]
+    return [
+        "".join(r.text for r in engine.generate(GenerationRequest(messages=(("user", q),), max_tokens=30)))
+        .strip()
+        .replace("\n", " ")[:60]
+        for q in QUESTIONS
+    ]
 
 
 def run() -> None:
@@ -47,22 +51,30 @@ def run() -> None:
     Q = gguf.GGMLQuantizationType
     source = SMOLLM2_DIR.parent.parent / ".whl" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     print("## GGUF import: SmolLM2-135M-Instruct\n")
-    print("| file | read by | import | folder | largest difference from llama.cpp's dequantization "
-          "| capital of France? | of Germany? |")
+    print(
+        "| file | read by | import | folder | largest difference from llama.cpp's dequantization "
+        "| capital of France? | of Germany? |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+
         def q5(name, kind, row_length):
             return None if kind != Q.Q4_1 else (Q.Q5_0 if ".attn_" in name else Q.Q5_1)
 
         def q8(name, kind, row_length):
             return None if kind != Q.Q4_1 else Q.Q8_0
 
-        files = [("Q4_1 (as shipped), Q8_0 embedding", source, "mx.load"),
-                 ("Q4_K_M layout: Q4_K / Q6_K ffn_down, Q5_0 elsewhere, Q8_0 embedding",
-                  rewrite_gguf(source, tmp / "q4_k_m.gguf", q4_k_m_like), "gguf"),
-                 ("Q5_0 attention, Q5_1 MLP, Q8_0 embedding", rewrite_gguf(source, tmp / "q5.gguf", q5), "gguf"),
-                 ("Q8_0 everywhere", rewrite_gguf(source, tmp / "q8.gguf", q8), "mx.load")]
+        files = [
+            ("Q4_1 (as shipped), Q8_0 embedding", source, "mx.load"),
+            (
+                "Q4_K_M layout: Q4_K / Q6_K ffn_down, Q5_0 elsewhere, Q8_0 embedding",
+                rewrite_gguf(source, tmp / "q4_k_m.gguf", q4_k_m_like),
+                "gguf",
+            ),
+            ("Q5_0 attention, Q5_1 MLP, Q8_0 embedding", rewrite_gguf(source, tmp / "q5.gguf", q5), "gguf"),
+            ("Q8_0 everywhere", rewrite_gguf(source, tmp / "q8.gguf", q8), "mx.load"),
+        ]
         for label, path, reader in files:
             out = tmp / f"out-{path.stem}"
             started = time.perf_counter()
@@ -71,7 +83,9 @@ def run() -> None:
             size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
             difference = max(d for _, d, _ in differences_from_llama_cpp(path, out).values())
             france, germany = answers(out)
-            print(f"| {label} | {reader} | {seconds:.1f} s | {size:.0f} MiB | {difference:.2g} | {france} | {germany} |")
+            print(
+                f"| {label} | {reader} | {seconds:.1f} s | {size:.0f} MiB | {difference:.2g} | {france} | {germany} |"
+            )
     print()
     named_in_a_config(source)
     vocabularies()
@@ -97,9 +111,15 @@ def transformers_tokenizer(metadata: dict):
     """transformers' GGUF tokenizer (``convert_gguf_tokenizer``, given the file's metadata as its reader would)."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
-    fields = {name: (metadata[f"tokenizer.{key}"].tolist() if hasattr(metadata[f"tokenizer.{key}"], "tolist")
-                     else metadata[f"tokenizer.{key}"])
-              for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items() if f"tokenizer.{key}" in metadata}
+    fields = {
+        name: (
+            metadata[f"tokenizer.{key}"].tolist()
+            if hasattr(metadata[f"tokenizer.{key}"], "tolist")
+            else metadata[f"tokenizer.{key}"]
+        )
+        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in metadata
+    }
     return convert_gguf_tokenizer(metadata["general.architecture"], fields)[0]
 
 
@@ -108,8 +128,10 @@ def vocabularies(repeats: int = 50) -> None:
     from tests.test_gguf_import import VOCABULARIES, reference_cases, vocabulary
 
     print("## GGUF vocabularies: llama.cpp's tokenizer test cases\n")
-    print("| vocabulary | tokens | read (gguf) | importer: build | cases equal | encode "
-          "| transformers' GGUF builder: cases equal | encode |")
+    print(
+        "| vocabulary | tokens | read (gguf) | importer: build | cases equal | encode "
+        "| transformers' GGUF builder: cases equal | encode |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in VOCABULARIES:
         started = time.perf_counter()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import statistics
 import tempfile
 from pathlib import Path
-
 from pydoc_data.topics import topics
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
@@ -64,7 +63,9 @@ def run_chat(folder: Path, draft, chat: bool, cache: bool) -> list[dict]:
 
     extra = [] if cache else ["--prompt-cache", "0"]
     with tempfile.TemporaryDirectory() as tmp:
-        runner = RunnerProcess(Path(tmp) / "sockets", *extra, target=folder, draft=draft, name="bench").wait_serving(300)
+        runner = RunnerProcess(Path(tmp) / "sockets", *extra, target=folder, draft=draft, name="bench").wait_serving(
+            300
+        )
         turns = []
         try:
             requests = conversation_requests(folder, chat)
@@ -73,9 +74,15 @@ def run_chat(folder: Path, draft, chat: bool, cache: bool) -> list[dict]:
                 chunks = list(runner.client.stub.Generate(request, timeout=900))
                 stats = chunks[-1].stats
                 memory = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5)
-                turns.append({"prompt": stats.prompt_tokens, "cached": stats.cached_tokens,
-                              "ttft": stats.time_to_first_token_s, "rss": memory.rss,
-                              "cache_bytes": memory.prompt_cache.bytes})
+                turns.append(
+                    {
+                        "prompt": stats.prompt_tokens,
+                        "cached": stats.cached_tokens,
+                        "ttft": stats.time_to_first_token_s,
+                        "rss": memory.rss,
+                        "cache_bytes": memory.prompt_cache.bytes,
+                    }
+                )
                 try:
                     request = requests.send("".join(c.text for c in chunks))
                 except StopIteration:
@@ -90,8 +97,12 @@ def malloc_trim_rss(trim: bool) -> list[int]:
     from tests.processes import RunnerProcess
 
     extra = [] if trim else ["--no-malloc-trim"]
-    prompts = ("The for statement is used to iterate", "A class definition defines a class object",
-               "Assignment statements are used to", "The import statement")
+    prompts = (
+        "The for statement is used to iterate",
+        "A class definition defines a class object",
+        "Assignment statements are used to",
+        "The import statement",
+    )
     with tempfile.TemporaryDirectory() as tmp:
         runner = RunnerProcess(Path(tmp) / "sockets", "--prompt-cache", "0", *extra).wait_serving(120)
         rss = []
@@ -106,17 +117,23 @@ def malloc_trim_rss(trim: bool) -> list[int]:
 
 def run() -> None:
     print(f"## prompt cache: six-turn chat, ~1,500-token system prompt, {ANSWER_TOKENS}-token answers\n")
-    print("| model | cache | turn | prompt tokens | from the cache | time to first token | vs turn 1 | RSS after the turn |")
+    print(
+        "| model | cache | turn | prompt tokens | from the cache | time to first token | vs turn 1 | RSS after the turn |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     summary = []
-    for label, folder, draft, chat in (("SmolLM2 (chat template)", SMOLLM2_DIR, None, True),
-                                       ("default pair (plain text turns)", DEFAULT_TARGET, DEFAULT_DRAFT, False)):
+    for label, folder, draft, chat in (
+        ("SmolLM2 (chat template)", SMOLLM2_DIR, None, True),
+        ("default pair (plain text turns)", DEFAULT_TARGET, DEFAULT_DRAFT, False),
+    ):
         for cache in (False, True):
             turns = run_chat(folder, draft, chat, cache)
             cold = turns[0]["ttft"]
             for n, t in enumerate(turns, 1):
-                print(f"| {label} | {'on' if cache else 'off'} | {n} | {t['prompt']} | {t['cached']} | "
-                      f"{t['ttft'] * 1000:.0f} ms | {t['ttft'] / cold:.0%} | {t['rss'] / 2**20:.0f} MiB |")
+                print(
+                    f"| {label} | {'on' if cache else 'off'} | {n} | {t['prompt']} | {t['cached']} | "
+                    f"{t['ttft'] * 1000:.0f} ms | {t['ttft'] / cold:.0%} | {t['rss'] / 2**20:.0f} MiB |"
+                )
             later = [t["ttft"] / cold for t in turns[1:]]
             summary.append((label, cache, statistics.mean(later), max(later)))
     print("\n| model | cache | turns 2-6: mean time to first token vs turn 1 | worst |")
@@ -124,7 +141,9 @@ def run() -> None:
     for label, cache, mean, worst in summary:
         print(f"| {label} | {'on' if cache else 'off'} | {mean:.0%} | {worst:.0%} |")
     with_trim, without = malloc_trim_rss(True), malloc_trim_rss(False)
-    print("\n### malloc_trim after pool releases: runner RSS after each of four 2000-token generations (default pair)\n")
+    print(
+        "\n### malloc_trim after pool releases: runner RSS after each of four 2000-token generations (default pair)\n"
+    )
     print("| generation | with malloc_trim | without | returned |")
     print("| --- | --- | --- | --- |")
     for n, (a, b) in enumerate(zip(with_trim, without), 1):

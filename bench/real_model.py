@@ -18,10 +18,14 @@ from pathlib import Path
 from common.defaults import SMOLLM2_DIR
 
 GENERATED = 128
-SYSTEM = ("You are a careful assistant. Answer in plain English, in short paragraphs, and say so when you are not "
-          "sure of a fact. ") * 6
-QUESTION = ("Explain how a speculative decoding server for language models works: what the draft model does, "
-            "what the target model checks, why the key-value cache has to be rewound, and what happens to memory.")
+SYSTEM = (
+    "You are a careful assistant. Answer in plain English, in short paragraphs, and say so when you are not "
+    "sure of a fact. "
+) * 6
+QUESTION = (
+    "Explain how a speculative decoding server for language models works: what the draft model does, "
+    "what the target model checks, why the key-value cache has to be rewound, and what happens to memory."
+)
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
 
 MLX_LM_SIDE = r"""
@@ -53,8 +57,13 @@ print(json.dumps({"prompt_tokens": len(prompt), "prefill_s": first - start, "dec
 def mlx_lm_side(dtype: str) -> dict:
     from tests.processes import child_environment
 
-    done = subprocess.run([sys.executable, "-c", MLX_LM_SIDE, str(SMOLLM2_DIR), dtype, str(GENERATED),
-                           json.dumps(MESSAGES)], capture_output=True, text=True, env=child_environment(), check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", MLX_LM_SIDE, str(SMOLLM2_DIR), dtype, str(GENERATED), json.dumps(MESSAGES)],
+        capture_output=True,
+        text=True,
+        env=child_environment(),
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -66,8 +75,9 @@ def runner_side(dtype: str) -> dict:
 
     prompt = load_tokenizer(SMOLLM2_DIR).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     with tempfile.TemporaryDirectory() as folder:
-        runner = RunnerProcess(Path(folder) / "sockets", "--dtype", dtype, target=SMOLLM2_DIR, draft=None,
-                               name="smollm2").wait_serving(300)
+        runner = RunnerProcess(
+            Path(folder) / "sockets", "--dtype", dtype, target=SMOLLM2_DIR, draft=None, name="smollm2"
+        ).wait_serving(300)
         try:
             last = None
             for last in runner.client.generate(timeout=900, prompt=prompt, max_tokens=GENERATED, ignore_eos=True):
@@ -77,14 +87,20 @@ def runner_side(dtype: str) -> dict:
             runner.stop()
     s = last.stats
     # Same measure as the mlx-lm side: prefill until the first token, then the rest.
-    return {"prompt_tokens": s.prompt_tokens, "prefill_s": s.time_to_first_token_s,
-            "decode_s": s.decode_s - (s.time_to_first_token_s - s.prefill_s), "generated": s.generated_tokens - 1,
-            "peak_rss": memory.peak_rss}
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "prefill_s": s.time_to_first_token_s,
+        "decode_s": s.decode_s - (s.time_to_first_token_s - s.prefill_s),
+        "generated": s.generated_tokens - 1,
+        "peak_rss": memory.peak_rss,
+    }
 
 
 def run() -> None:
     print(f"## real model: SmolLM2-135M-Instruct (Q4_1 GGUF, imported), chat prompt, {GENERATED} greedy tokens\n")
-    print("| weights | path | prompt tokens | prompt tok/s | generation tok/s | peak RSS | vs mlx-lm (prompt / generation) |")
+    print(
+        "| weights | path | prompt tokens | prompt tok/s | generation tok/s | peak RSS | vs mlx-lm (prompt / generation) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for dtype, label in (("checkpoint", "4-bit as stored"), ("float32", "dequantized to float32 (auto)")):
         ours, theirs = runner_side(dtype), mlx_lm_side(dtype)
@@ -94,6 +110,8 @@ def run() -> None:
         base = rates["mlx-lm generate_step, in-process"]
         for name, r in (("runner over gRPC", ours), ("mlx-lm generate_step, in-process", theirs)):
             pp, tg = rates[name]
-            print(f"| {label} | {name} | {r['prompt_tokens']} | {pp:.0f} | {tg:.1f} | {r['peak_rss'] / 2**20:.0f} MiB "
-                  f"| {pp / base[0]:.2f}x / {tg / base[1]:.2f}x |")
+            print(
+                f"| {label} | {name} | {r['prompt_tokens']} | {pp:.0f} | {tg:.1f} | {r['peak_rss'] / 2**20:.0f} MiB "
+                f"| {pp / base[0]:.2f}x / {tg / base[1]:.2f}x |"
+            )
     print()

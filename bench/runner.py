@@ -49,9 +49,21 @@ def over_grpc(client: RunnerClient) -> tuple[float, float]:
 
 def start_runner(socket: Path) -> tuple[subprocess.Popen, RunnerClient, float]:
     start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "runner", "--target", str(DEFAULT_TARGET),
-                                "--draft", str(DEFAULT_DRAFT), "--listen", f"unix://{socket}"],
-                               stderr=subprocess.DEVNULL, env=fast_blas_environment())
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "--target",
+            str(DEFAULT_TARGET),
+            "--draft",
+            str(DEFAULT_DRAFT),
+            "--listen",
+            f"unix://{socket}",
+        ],
+        stderr=subprocess.DEVNULL,
+        env=fast_blas_environment(),
+    )
     client = RunnerClient(f"unix://{socket}")
     assert client.wait_serving(120, alive=lambda: process.poll() is None)
     return process, client, time.perf_counter() - start
@@ -74,6 +86,12 @@ def run() -> None:
     print(f"## runner: {len(PROMPTS)} prompts x {TOKENS} tokens, default k\n")
     print("| path | tok/s | time to first token | start-up |")
     print("| --- | --- | --- | --- |")
-    print(f"| engine in-process | {local_rate:.0f} | {local_ttft * 1000:.1f} ms | {load_seconds:.2f} s (load + warm-up) |")
-    print(f"| runner over gRPC (unix socket) | {grpc_rate:.0f} | {grpc_ttft * 1000:.1f} ms | {spawn_seconds:.2f} s (spawn to SERVING) |")
-    print(f"| ratio gRPC / in-process | {grpc_rate / local_rate:.2f}x | {grpc_ttft / local_ttft:.2f}x | {spawn_seconds / load_seconds:.2f}x |\n")
+    print(
+        f"| engine in-process | {local_rate:.0f} | {local_ttft * 1000:.1f} ms | {load_seconds:.2f} s (load + warm-up) |"
+    )
+    print(
+        f"| runner over gRPC (unix socket) | {grpc_rate:.0f} | {grpc_ttft * 1000:.1f} ms | {spawn_seconds:.2f} s (spawn to SERVING) |"
+    )
+    print(
+        f"| ratio gRPC / in-process | {grpc_rate / local_rate:.2f}x | {grpc_ttft / local_ttft:.2f}x | {spawn_seconds / load_seconds:.2f}x |\n"
+    )

@@ -33,19 +33,25 @@ PROSE = (
     "The for statement is used to iterate over the elements of a sequence",
     "A class definition defines a class object",
 )
-CODE = '''def mean(values):
+CODE = """def mean(values):
     total = 0
     for value in values:
         total = total + value
     return total / len(values)
-'''
-DOCUMENT = ("The while statement is used for repeated execution as long as an expression is true. "
-            "A break statement executed in the first suite terminates the loop without executing the else "
-            "clause's suite. A continue statement executed in the first suite skips the rest of the suite and "
-            "goes back to testing the expression.")
-ITEMS = ["for statements iterate over sequences", "while statements repeat while a condition holds",
-         "break leaves the innermost loop", "continue goes on with the next iteration",
-         "else runs when the loop was not broken"]
+"""
+DOCUMENT = (
+    "The while statement is used for repeated execution as long as an expression is true. "
+    "A break statement executed in the first suite terminates the loop without executing the else "
+    "clause's suite. A continue statement executed in the first suite skips the rest of the suite and "
+    "goes back to testing the expression."
+)
+ITEMS = [
+    "for statements iterate over sequences",
+    "while statements repeat while a condition holds",
+    "break leaves the innermost loop",
+    "continue goes on with the next iteration",
+    "else runs when the loop was not broken",
+]
 # The default pair continues raw text; the instruct model gets the same tasks as chat messages.
 GROUNDED_TEXT = (
     f"Rename total to running_sum in this code.\n\n{CODE}\nThe same code with running_sum:\n\ndef mean(values):\n",
@@ -69,8 +75,12 @@ class Tally:
     accepted: int = 0
 
     def __add__(self, other: Tally) -> Tally:
-        return Tally(self.generated + other.generated, self.seconds + other.seconds,
-                     self.drafted + other.drafted, self.accepted + other.accepted)
+        return Tally(
+            self.generated + other.generated,
+            self.seconds + other.seconds,
+            self.drafted + other.drafted,
+            self.accepted + other.accepted,
+        )
 
     @property
     def rate(self) -> float:
@@ -83,21 +93,28 @@ class Tally:
 
 def ours(engine: Engine, prompt: str, tokens: int, chat: bool, **fields) -> Tally:
     """One prompt: ``tokens`` tokens, or (``chat``) to the end of the answer, at most ``tokens``."""
-    request = (GenerationRequest(messages=(("user", prompt),), **fields) if chat
-               else GenerationRequest(prompt=prompt, **fields))
-    for last in engine.generate(GenerationRequest(**{**request.__dict__, "max_tokens": tokens,
-                                                     "ignore_eos": not chat, "cache_prompt": False})):
+    request = (
+        GenerationRequest(messages=(("user", prompt),), **fields)
+        if chat
+        else GenerationRequest(prompt=prompt, **fields)
+    )
+    for last in engine.generate(
+        GenerationRequest(**{**request.__dict__, "max_tokens": tokens, "ignore_eos": not chat, "cache_prompt": False})
+    ):
         pass
     s = last.stats
-    return Tally(s.generated_tokens - 1, s.decode_seconds - (s.time_to_first_token - s.prefill_seconds),
-                 s.drafted, s.accepted)
+    return Tally(
+        s.generated_tokens - 1, s.decode_seconds - (s.time_to_first_token - s.prefill_seconds), s.drafted, s.accepted
+    )
 
 
 def as_mlx_lm_runs_it(engine: Engine) -> tuple:
     """(target, draft): the engine's checkpoints in its dtype, without runner.row_padding (mlx-lm's layers
     as they ship)."""
-    return tuple(load_model(loaded.path, loaded.dtype, row_padding=False).model if loaded else None
-                 for loaded in (engine.target, engine.draft))
+    return tuple(
+        load_model(loaded.path, loaded.dtype, row_padding=False).model if loaded else None
+        for loaded in (engine.target, engine.draft)
+    )
 
 
 def reference(engine: Engine, models: tuple, prompt: str, tokens: int, chat: bool, k: int) -> Tally:
@@ -105,8 +122,11 @@ def reference(engine: Engine, models: tuple, prompt: str, tokens: int, chat: boo
     from the first token."""
     target, draft = models
     ends = frozenset(engine.tokenizer.eos_token_ids) | end_of_turn_ids(engine.tokenizer) if chat else frozenset()
-    ids = (engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-           if chat else engine.tokenizer.encode(prompt))
+    ids = (
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        if chat
+        else engine.tokenizer.encode(prompt)
+    )
     if k == 0:
         steps = generate_step(mx.array(ids), target, max_tokens=tokens)
     else:
@@ -123,8 +143,7 @@ def reference(engine: Engine, models: tuple, prompt: str, tokens: int, chat: boo
 def table(title: str, engine: Engine, tokens: int, chat: bool, rows: list) -> dict:
     kinds = {"prose": PROSE, "input-grounded": GROUNDED_CHAT if chat else GROUNDED_TEXT}
     length = f"greedy answers of up to {tokens} tokens" if chat else f"{tokens} greedy tokens per prompt"
-    print(f"## speculation: {title}, {length} "
-          f"({len(PROSE)} prose prompts, {len(GROUNDED_TEXT)} input-grounded)\n")
+    print(f"## speculation: {title}, {length} ({len(PROSE)} prose prompts, {len(GROUNDED_TEXT)} input-grounded)\n")
     print("| decoder | " + " | ".join(f"{kind} tok/s | vs our plain | acceptance" for kind in kinds) + " |")
     print("| --- | " + " | ".join("--- | --- | ---" for _ in kinds) + " |")
     ours(engine, PROSE[0], 16, chat, drafter="none")  # warm-up
@@ -152,22 +171,34 @@ def run() -> None:
     pair = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0))
     pair_as_mlx_lm = as_mlx_lm_runs_it(pair)
     n = 256
-    rows = [("ours, plain", lambda p: ours(pair, p, n, False, drafter="none")),
-            ("mlx-lm generate_step", lambda p: reference(pair, pair_as_mlx_lm, p, n, False, 0))]
-    rows += [(f"ours, draft model, k = {k}", lambda p, k=k: ours(pair, p, n, False, drafter="model", num_draft_tokens=k))
-             for k in range(1, 7)]
-    rows += [(f"mlx-lm speculative_generate_step, k = {k}", lambda p, k=k: reference(pair, pair_as_mlx_lm, p, n, False, k))
-             for k in range(1, 7)]
-    rows += [("ours, n-gram, adaptive", lambda p: ours(pair, p, n, False, drafter="ngram")),
-             ("ours, draft model, adaptive (default)", lambda p: ours(pair, p, n, False))]
+    rows = [
+        ("ours, plain", lambda p: ours(pair, p, n, False, drafter="none")),
+        ("mlx-lm generate_step", lambda p: reference(pair, pair_as_mlx_lm, p, n, False, 0)),
+    ]
+    rows += [
+        (f"ours, draft model, k = {k}", lambda p, k=k: ours(pair, p, n, False, drafter="model", num_draft_tokens=k))
+        for k in range(1, 7)
+    ]
+    rows += [
+        (f"mlx-lm speculative_generate_step, k = {k}", lambda p, k=k: reference(pair, pair_as_mlx_lm, p, n, False, k))
+        for k in range(1, 7)
+    ]
+    rows += [
+        ("ours, n-gram, adaptive", lambda p: ours(pair, p, n, False, drafter="ngram")),
+        ("ours, draft model, adaptive (default)", lambda p: ours(pair, p, n, False)),
+    ]
     table("default pair (draft model)", pair, n, False, rows)
 
     smol = Engine.load(SMOLLM2_DIR, None, RunnerSettings(prompt_cache=0))
     smol_as_mlx_lm = as_mlx_lm_runs_it(smol)
     n = 160
-    rows = [("ours, plain", lambda p: ours(smol, p, n, True, drafter="none")),
-            ("mlx-lm generate_step", lambda p: reference(smol, smol_as_mlx_lm, p, n, True, 0))]
-    rows += [(f"ours, n-gram, k = {k}", lambda p, k=k: ours(smol, p, n, True, drafter="ngram", num_draft_tokens=k))
-             for k in (1, 2, 4, 6)]
+    rows = [
+        ("ours, plain", lambda p: ours(smol, p, n, True, drafter="none")),
+        ("mlx-lm generate_step", lambda p: reference(smol, smol_as_mlx_lm, p, n, True, 0)),
+    ]
+    rows += [
+        (f"ours, n-gram, k = {k}", lambda p, k=k: ours(smol, p, n, True, drafter="ngram", num_draft_tokens=k))
+        for k in (1, 2, 4, 6)
+    ]
     rows += [("ours, n-gram, adaptive (default)", lambda p: ours(smol, p, n, True))]
     table("SmolLM2-135M-Instruct in float32 (no draft model: n-gram lookup)", smol, n, True, rows)

@@ -42,9 +42,15 @@ def through_http(base_url: str, model: str) -> tuple[float, float]:
     for prompt in PROMPTS:
         start = time.perf_counter()
         first = None
-        for event in client.completions.create(model=model, prompt=prompt, max_tokens=TOKENS, temperature=0,
-                                               stream=True, stream_options={"include_usage": True},
-                                               extra_body={"ignore_eos": True}):
+        for event in client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        ):
             if event.choices and event.choices[0].text:
                 first = first or time.perf_counter()
             if event.usage is not None:
@@ -55,21 +61,32 @@ def through_http(base_url: str, model: str) -> tuple[float, float]:
 
 
 def start_supervisor(folder: Path, n_models: int, port: int, http_port: int = 0) -> subprocess.Popen:
-    models = "".join(f'[models.m{i}]\ntarget = "{DEFAULT_TARGET}"\ndraft = "{DEFAULT_DRAFT}"\n' for i in range(n_models))
+    models = "".join(
+        f'[models.m{i}]\ntarget = "{DEFAULT_TARGET}"\ndraft = "{DEFAULT_DRAFT}"\n' for i in range(n_models)
+    )
     config = folder / f"bench-{n_models}.toml"
     http = f"127.0.0.1:{http_port}" if http_port else ""
-    config.write_text(f'listen = "127.0.0.1:{port}"\nhttp_listen = "{http}"\nprobe_port = 0\n'
-                      f'runtime_dir = "{folder}/run{n_models}"\n{models}')
-    return subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "--config", str(config)],
-                            stderr=subprocess.DEVNULL, env=fast_blas_environment())
+    config.write_text(
+        f'listen = "127.0.0.1:{port}"\nhttp_listen = "{http}"\nprobe_port = 0\n'
+        f'runtime_dir = "{folder}/run{n_models}"\n{models}'
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "serve", "--config", str(config)],
+        stderr=subprocess.DEVNULL,
+        env=fast_blas_environment(),
+    )
 
 
 def cli_start_up(port: int) -> float:
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "supervisor", "models", "--address", f"127.0.0.1:{port}"],
-                       check=True, capture_output=True, env=fast_blas_environment())
+        subprocess.run(
+            [sys.executable, "-m", "supervisor", "models", "--address", f"127.0.0.1:{port}"],
+            check=True,
+            capture_output=True,
+            env=fast_blas_environment(),
+        )
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -97,10 +114,12 @@ def run() -> None:
             through_supervisor(client, "m0")  # warm-up
             base_url = f"http://127.0.0.1:{http_port}/v1"
             through_http(base_url, "m0")
-            rows = [("engine in-process", *in_process(engine)),
-                    ("runner over gRPC", *over_grpc(runner)),
-                    ("through the supervisor, gRPC", *through_supervisor(client, "m0")),
-                    ("through the supervisor, OpenAI HTTP API (openai client, SSE)", *through_http(base_url, "m0"))]
+            rows = [
+                ("engine in-process", *in_process(engine)),
+                ("runner over gRPC", *over_grpc(runner)),
+                ("through the supervisor, gRPC", *through_supervisor(client, "m0")),
+                ("through the supervisor, OpenAI HTTP API (openai client, SSE)", *through_http(base_url, "m0")),
+            ]
             supervisor_rss = psutil.Process(sup.pid).memory_info().rss
             cli = cli_start_up(port)
         finally:
@@ -122,8 +141,10 @@ def run() -> None:
     print("| --- | --- | --- | --- | --- |")
     for name, rate, ttft in rows:
         print(f"| {name} | {rate:.0f} | {rate / base_rate:.2f}x | {ttft * 1000:.1f} ms | {ttft / base_ttft:.2f}x |")
-    print(f"\nSupervisor RSS while serving one model: {supervisor_rss / 2**20:.0f} MiB; "
-          f"`python -m supervisor models` start to exit: {cli:.2f} s (best of 3). Neither loads MLX.")
+    print(
+        f"\nSupervisor RSS while serving one model: {supervisor_rss / 2**20:.0f} MiB; "
+        f"`python -m supervisor models` start to exit: {cli:.2f} s (best of 3). Neither loads MLX."
+    )
     print("\n| runners watched (1 s memory samples, 2 s health checks) | supervisor CPU while idle |")
     print("| --- | --- |")
     for n, share in cpu:

@@ -10,7 +10,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from .defaults import CHANNEL_OPTIONS
 from .protocol import runner_pb2, runner_pb2_grpc
 
-
 # A runner is a local child that comes and goes: retry its socket quickly
 # instead of gRPC's default backoff of a second and more.
 RECONNECT_OPTIONS = [

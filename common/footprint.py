@@ -36,8 +36,22 @@ from .defaults import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES, MIN_PR
 # add while serving.
 RUNTIME_OVERHEAD = 150 * 2**20
 LOAD_SLACK = 0.15  # measured: RSS after load exceeds MLX's active bytes by ~10-20% of the weights
-SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2,
-                        "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+SAFETENSORS_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "U32": 4,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx", "n_positions")
 DEFAULT_CONTEXT = 2048
@@ -101,7 +115,7 @@ class ModelFootprint:
     context_length: int
 
     @classmethod
-    def of(cls, folder: str | Path) -> "ModelFootprint":
+    def of(cls, folder: str | Path) -> ModelFootprint:
         folder = Path(folder)
         config = model_config(folder)
         files = sorted(folder.glob("model*.safetensors"))
@@ -147,10 +161,16 @@ class ModelFootprint:
         else:
             widest = FLOAT_DTYPES[next(iter(float_widths))] if float_widths else "float32"
         return cls(
-            path=folder, parameters=parameters, checkpoint_bytes=checkpoint, float32_bytes=float32,
-            quantization=quantization, checkpoint_dtype=widest,
+            path=folder,
+            parameters=parameters,
+            checkpoint_bytes=checkpoint,
+            float32_bytes=float32,
+            quantization=quantization,
+            checkpoint_dtype=widest,
             layers=int(args.get("num_hidden_layers") or args.get("n_layer") or 0),
-            kv_heads=int(args.get("num_key_value_heads") or heads), heads=heads, head_dim=head_dim,
+            kv_heads=int(args.get("num_key_value_heads") or heads),
+            heads=heads,
+            head_dim=head_dim,
             context_length=context_length(config),
         )
 
@@ -202,8 +222,9 @@ def expected_device() -> str:
     return "cpu"
 
 
-def resolve_dtype(setting: str, device: str, footprints: list[ModelFootprint], available: int,
-                  context: int | None = None) -> tuple[str, str]:
+def resolve_dtype(
+    setting: str, device: str, footprints: list[ModelFootprint], available: int, context: int | None = None
+) -> tuple[str, str]:
     """``auto`` -> "checkpoint" or "float32", with the reason in words.
 
     On a GPU the checkpoint's form is kept (casting a bf16 model to float32 doubles
@@ -217,8 +238,10 @@ def resolve_dtype(setting: str, device: str, footprints: list[ModelFootprint], a
         return "checkpoint", "auto: the checkpoint's form on the GPU"
     needed = estimate(footprints, "float32", device, context=context).total
     if needed > available:
-        return "checkpoint", (f"auto: float32 would need ~{needed / 2**20:.0f} MiB, only "
-                              f"{available / 2**20:.0f} MiB available: keeping the checkpoint's form")
+        return "checkpoint", (
+            f"auto: float32 would need ~{needed / 2**20:.0f} MiB, only "
+            f"{available / 2**20:.0f} MiB available: keeping the checkpoint's form"
+        )
     return "float32", "auto: float32 on the CPU (MLX's quantized and half-precision CPU kernels are slow)"
 
 
@@ -234,16 +257,22 @@ class Estimate:
         return self.weights + self.kv_cache + self.prefill + self.runtime
 
 
-def prefill_score_bytes(heads: int, context: int, score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES,
-                        max_chunk: int = DEFAULT_PREFILL_CHUNK) -> int:
+def prefill_score_bytes(
+    heads: int, context: int, score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES, max_chunk: int = DEFAULT_PREFILL_CHUNK
+) -> int:
     """The largest score matrix a CPU prefill over ``context`` tokens makes (see ``prefill_chunk_size``)."""
     chunk = min(max_chunk, context, max(MIN_PREFILL_CHUNK, score_bytes // max(1, heads * context * 4)))
     return heads * chunk * context * 4
 
 
-def estimate(footprints: list[ModelFootprint], dtype: str, device: str, context: int | None = None,
-             runtime_overhead: int | None = None,
-             score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES) -> Estimate:
+def estimate(
+    footprints: list[ModelFootprint],
+    dtype: str,
+    device: str,
+    context: int | None = None,
+    runtime_overhead: int | None = None,
+    score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES,
+) -> Estimate:
     """Peak memory of a runner serving ``footprints`` (target first) at ``dtype`` over ``context`` tokens."""
     target = footprints[0]
     tokens = min(context or target.context_length, target.context_length)

@@ -19,7 +19,7 @@ import json
 import logging
 import sys
 import threading
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 LOG_FORMATS = ("text", "json")
 FIELDS = ("process_name", "model", "pid")  # what a record carries beyond the message
@@ -39,10 +39,14 @@ class TextFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
-                 "level": record.levelname, "process": getattr(record, "process_name", record.name),
-                 "model": getattr(record, "model", None), "pid": getattr(record, "pid", record.process),
-                 "message": record.getMessage()}
+        entry = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "process": getattr(record, "process_name", record.name),
+            "model": getattr(record, "model", None),
+            "pid": getattr(record, "pid", record.process),
+            "message": record.getMessage(),
+        }
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         elif getattr(record, "exception", None):
@@ -110,8 +114,9 @@ def setup(process_name: str, log_format: str = "text", model: str | None = None)
     root.setLevel(logging.INFO)
 
     def log_uncaught(kind, error, traceback) -> None:  # one record, not a line a record
-        logging.getLogger(process_name).critical("uncaught %s: %s", kind.__name__, error,
-                                                 exc_info=(kind, error, traceback))
+        logging.getLogger(process_name).critical(
+            "uncaught %s: %s", kind.__name__, error, exc_info=(kind, error, traceback)
+        )
 
     sys.excepthook = log_uncaught
     return handler
@@ -135,8 +140,9 @@ def record_from_json(line: str, model: str, pid: int, logger_name: str = "runner
         record = logging.LogRecord(logger_name, logging.WARNING, "", 0, line, None, None)
     else:
         level = logging.getLevelName(str(entry.get("level", "INFO")))
-        record = logging.LogRecord(logger_name, level if isinstance(level, int) else logging.INFO, "", 0,
-                                   str(entry["message"]), None, None)
+        record = logging.LogRecord(
+            logger_name, level if isinstance(level, int) else logging.INFO, "", 0, str(entry["message"]), None, None
+        )
         try:
             record.created = datetime.fromisoformat(entry["time"]).timestamp()
             record.msecs = (record.created % 1) * 1000

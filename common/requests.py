@@ -45,10 +45,24 @@ def _text(field: str, value: str) -> None:
         raise InvalidRequest(field, "is not valid Unicode text (it holds a lone surrogate such as \\ud800)") from None
 
 
-def check_fields(*, prompt: str = "", prompt_ids=(), messages=(), max_tokens: int = 256, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, stop=(),
-                 num_draft_tokens: int | None = None, logprobs: bool = False, top_logprobs: int = 0,
-                 drafter: str = "", chat_template_kwargs: str = "") -> None:
+def check_fields(
+    *,
+    prompt: str = "",
+    prompt_ids=(),
+    messages=(),
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    stop=(),
+    num_draft_tokens: int | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
+    drafter: str = "",
+    chat_template_kwargs: str = "",
+) -> None:
     """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs;
     ``chat_template_kwargs``: a JSON object, as text."""
     if not prompt and not len(prompt_ids) and not len(messages):
@@ -112,14 +126,24 @@ def check_message(message) -> None:
     size = message.ByteSize()
     if size > MAX_REQUEST_BYTES:
         field = "messages" if len(message.messages) else "prompt"
-        raise InvalidRequest(field, f"the request is {size} bytes, more than the {MAX_REQUEST_BYTES} a request may "
-                                    "be: the prompt is too long")
+        raise InvalidRequest(
+            field,
+            f"the request is {size} bytes, more than the {MAX_REQUEST_BYTES} a request may be: the prompt is too long",
+        )
     check_fields(
-        prompt=message.prompt, prompt_ids=message.prompt_ids,
-        messages=[(m.role, m.content) for m in message.messages], max_tokens=message.max_tokens,
-        temperature=message.temperature, top_k=message.top_k,
-        top_p=message.top_p if message.HasField("top_p") else 1.0, min_p=message.min_p,
-        seed=message.seed if message.HasField("seed") else None, stop=message.stop,
+        prompt=message.prompt,
+        prompt_ids=message.prompt_ids,
+        messages=[(m.role, m.content) for m in message.messages],
+        max_tokens=message.max_tokens,
+        temperature=message.temperature,
+        top_k=message.top_k,
+        top_p=message.top_p if message.HasField("top_p") else 1.0,
+        min_p=message.min_p,
+        seed=message.seed if message.HasField("seed") else None,
+        stop=message.stop,
         num_draft_tokens=message.num_draft_tokens if message.HasField("num_draft_tokens") else None,
-        logprobs=message.logprobs, top_logprobs=message.top_logprobs, drafter=message.drafter,
-        chat_template_kwargs=message.chat_template_kwargs)
+        logprobs=message.logprobs,
+        top_logprobs=message.top_logprobs,
+        drafter=message.drafter,
+        chat_template_kwargs=message.chat_template_kwargs,
+    )

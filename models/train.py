@@ -34,12 +34,18 @@ VOCAB_SIZE = 4096
 CONTEXT_LENGTH = 8192
 
 TARGET_SHAPE = dict(
-    hidden_size=384, num_hidden_layers=8, intermediate_size=1024,
-    num_attention_heads=6, num_key_value_heads=2,
+    hidden_size=384,
+    num_hidden_layers=8,
+    intermediate_size=1024,
+    num_attention_heads=6,
+    num_key_value_heads=2,
 )
 DRAFT_SHAPE = dict(
-    hidden_size=128, num_hidden_layers=2, intermediate_size=384,
-    num_attention_heads=4, num_key_value_heads=2,
+    hidden_size=128,
+    num_hidden_layers=2,
+    intermediate_size=384,
+    num_attention_heads=4,
+    num_key_value_heads=2,
 )
 
 
@@ -64,9 +70,7 @@ def train_tokenizer(documents: list[str]):
     )
     tokenizer.train_from_iterator(documents, trainer=trainer)
     bos_id = tokenizer.token_to_id(BOS)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", special_tokens=[(BOS, bos_id)]
-    )
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
     return tokenizer
 
 
@@ -135,8 +139,10 @@ def fit(model, batches, steps: int, peak_lr: float, label: str):
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state, loss)
         if step % 100 == 0 or step == steps - 1:
-            print(f"[{label}] step {step:5d}/{steps} loss {loss.item():.3f} "
-                  f"({time.perf_counter() - start:.0f}s)", flush=True)
+            print(
+                f"[{label}] step {step:5d}/{steps} loss {loss.item():.3f} ({time.perf_counter() - start:.0f}s)",
+                flush=True,
+            )
 
 
 def greedy_continuations(model, prompts: np.ndarray, new_tokens: int, batch: int = 64) -> np.ndarray:
@@ -163,11 +169,20 @@ def save_model(model, config: dict, tokenizer, folder: Path) -> None:
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(dict(
-        tokenizer_class="PreTrainedTokenizerFast",
-        bos_token=BOS, eos_token=EOS, pad_token=PAD,
-        model_max_length=CONTEXT_LENGTH, clean_up_tokenization_spaces=False,
-    ), indent=2) + "\n")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            dict(
+                tokenizer_class="PreTrainedTokenizerFast",
+                bos_token=BOS,
+                eos_token=EOS,
+                pad_token=PAD,
+                model_max_length=CONTEXT_LENGTH,
+                clean_up_tokenization_spaces=False,
+            ),
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 def main() -> None:

@@ -22,22 +22,27 @@ from pathlib import Path
 from common import logs
 from common.cpu_blas import reexec_with_fast_blas
 from common.logs import LOG_FORMATS
+from common.settings import RunnerSettings, SettingsError
 
 EXIT_BAD_START = 2
 EXIT_ENGINE_FAILURE = 70
 PR_SET_PDEATHSIG = 1
 
 
-def parse_args(argv=None) -> tuple[argparse.Namespace, "RunnerSettings"]:
+def parse_args(argv=None) -> tuple[argparse.Namespace, RunnerSettings]:
     """The process's own flags, and its settings (``common.settings``: the same names as a model's config keys)."""
-    from common.settings import RunnerSettings, SettingsError
 
-    p = argparse.ArgumentParser(prog="python -m runner", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m runner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--listen", required=True, help="unix:///path or HOST:PORT")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone (default: the parent)")
-    p.add_argument("--log-format", choices=LOG_FORMATS, default="text",
-                   help="text: a line a person reads; json: one JSON object per record (the supervisor reads it)")
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text: a line a person reads; json: one JSON object per record (the supervisor reads it)",
+    )
     RunnerSettings.add_arguments(p)
     args = p.parse_args(argv)
     try:
@@ -91,8 +96,9 @@ def main(argv=None) -> int:
     log = logging.getLogger("runner")
     die_with_parent(args.parent_pid or os.getppid())
 
-    from .engine import Engine
     from common.errors import ModelLoadError
+
+    from .engine import Engine
     from .server import RunnerServer, RunnerService
 
     stopping = threading.Event()  # set by threads (engine failure)
@@ -109,8 +115,13 @@ def main(argv=None) -> int:
     try:
         if args.listen.startswith("unix:"):
             prepare_unix_socket(args.listen)
-        server = RunnerServer(RunnerService(settings.name, settings.debug_rpcs), args.listen, settings.max_queue,
-                              settings.stall_after, settings.max_batch)
+        server = RunnerServer(
+            RunnerService(settings.name, settings.debug_rpcs),
+            args.listen,
+            settings.max_queue,
+            settings.stall_after,
+            settings.max_batch,
+        )
         server.start()
         if args.listen.startswith("unix:"):
             os.chmod(args.listen.removeprefix("unix://"), 0o600)
@@ -136,13 +147,24 @@ def main(argv=None) -> int:
         server.shutdown(0)
         return 0
     server.attach(engine, on_fatal)
-    log.info("serving %s after %.2f s: %s, %s on the %s (%s), context %d; %s; release every %d tokens%s, "
-             "cache limit %d; prompt cache %d bytes; batch of %d, its caches within %s", settings.name,
-             time.perf_counter() - started,
-             engine.target.config.get("model_type"), engine.target.compute_dtype, engine.device, engine.dtype_reason,
-             engine.context_length, engine.speculative_note, settings.release_interval,
-             "" if settings.release_enabled else " DISABLED", engine.cache_limit, engine.prompt_cache.budget,
-             settings.max_batch, "no limit" if settings.batch_memory is None else f"{settings.batch_memory} bytes")
+    log.info(
+        "serving %s after %.2f s: %s, %s on the %s (%s), context %d; %s; release every %d tokens%s, "
+        "cache limit %d; prompt cache %d bytes; batch of %d, its caches within %s",
+        settings.name,
+        time.perf_counter() - started,
+        engine.target.config.get("model_type"),
+        engine.target.compute_dtype,
+        engine.device,
+        engine.dtype_reason,
+        engine.context_length,
+        engine.speculative_note,
+        settings.release_interval,
+        "" if settings.release_enabled else " DISABLED",
+        engine.cache_limit,
+        engine.prompt_cache.budget,
+        settings.max_batch,
+        "no limit" if settings.batch_memory is None else f"{settings.batch_memory} bytes",
+    )
     if not engine.speculative and (settings.drafter or "none") != "none":
         log.warning("speculative decoding is off: %s", engine.speculative_note)
     elif engine.draft is not None and engine.drafters["model"]:

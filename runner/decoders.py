@@ -75,8 +75,11 @@ class Decoder:
         """What each model still lacks of the prompt (all but its last token), for a prefill shared with other
         requests (``runner.batch.prefill_jointly``): (model, cache, tokens, done), ``done()`` once they are in."""
         context = self.prompt_ids[:-1]
-        return [(model, cache, context[held:], lambda advance=advance: advance(len(context)))
-                for model, cache, held, advance in self._prefill_models() if held < len(context)]
+        return [
+            (model, cache, context[held:], lambda advance=advance: advance(len(context)))
+            for model, cache, held, advance in self._prefill_models()
+            if held < len(context)
+        ]
 
     def prefill_step(self, planner: PrefillPlanner, sizes: list | None = None) -> bool:
         """Run one planned chunk of the prompt (all but its last token) through the models, each from
@@ -213,8 +216,9 @@ class SpeculativeDecoder(Decoder):
     drafts on top of it, or queues the next one.
     """
 
-    def __init__(self, model, prompt_ids, params, key, drafter, depth: DepthController | FixedDepth,
-                 cache=None, held: int = 0):
+    def __init__(
+        self, model, prompt_ids, params, key, drafter, depth: DepthController | FixedDepth, cache=None, held: int = 0
+    ):
         super().__init__(model, prompt_ids, params, key, cache, held)
         self.drafter = drafter
         self.depth = depth
@@ -301,8 +305,9 @@ class SpeculativeDecoder(Decoder):
         drafted = proposal.size
         fed = [self.pending]
         self.rewinder.snapshot()
-        logits = self.model(mx.concatenate([mx.array(fed, dtype=mx.uint32), proposal.tokens])[None],
-                            cache=self.cache)[0]
+        logits = self.model(mx.concatenate([mx.array(fed, dtype=mx.uint32), proposal.tokens])[None], cache=self.cache)[
+            0
+        ]
         if self.params.greedy:
             verdict = verify_greedy(logits, proposal.tokens)
         else:

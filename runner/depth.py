@@ -65,8 +65,14 @@ MARGIN = 0.02  # another depth becomes the best when expected this much faster
 
 
 class DepthController:
-    def __init__(self, max_depth: int = DEFAULT_MAX_DEPTH, start: int = 1, probe_every: int = PROBE_EVERY,
-                 max_probe_every: int = MAX_PROBE_EVERY, smoothing: float = SMOOTHING):
+    def __init__(
+        self,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+        start: int = 1,
+        probe_every: int = PROBE_EVERY,
+        max_probe_every: int = MAX_PROBE_EVERY,
+        smoothing: float = SMOOTHING,
+    ):
         self.max_depth = max_depth
         self.start = min(start, max_depth)
         self.probe_every = probe_every

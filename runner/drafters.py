@@ -28,9 +28,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from common.defaults import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+
 from .rewind import Rewinder
 from .sampling import SamplingParams, filtered_probs, sample
-
 
 
 @dataclass

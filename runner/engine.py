@@ -18,21 +18,22 @@ mlx-lm's ``speculative_generate_step`` never releases the pool while decoding
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import mlx.core as mx
 import psutil
 
-from .batch_memory import CacheCost
-from .decoders import Decoder, PlainDecoder, SpeculativeDecoder
 from common.defaults import DEFAULT_NUM_DRAFT_TOKENS
-from .depth import DepthController, FixedDepth
-from .drafters import ModelDrafter, NgramDrafter
 from common.errors import InvalidRequest, TokenizerMismatch
 from common.footprint import ModelFootprint, default_prompt_cache_bytes, resolve_dtype
 from common.settings import CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED, DRAFTERS, RunnerSettings
+
+from .batch_memory import CacheCost
+from .decoders import Decoder, PlainDecoder, SpeculativeDecoder
+from .depth import DepthController, FixedDepth
+from .drafters import ModelDrafter, NgramDrafter
 from .loading import LoadedModel, load_model
 from .malloc import malloc_trim
 from .prefill import PrefillPlanner
@@ -43,6 +44,7 @@ from .results import Round
 from .session import Session
 
 log = logging.getLogger("runner")
+
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
     target_vocab = target.tokenizer.get_vocab()
@@ -86,8 +88,9 @@ class Engine:
     """A loaded target (and optional draft), its drafters, depth controllers and prompt cache; ``generate``
     runs one request alone (``runner.worker`` interleaves and batches them)."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, settings: RunnerSettings,
-                 dtype_reason: str = ""):
+    def __init__(
+        self, target: LoadedModel, draft: LoadedModel | None, settings: RunnerSettings, dtype_reason: str = ""
+    ):
         self.target = target
         self.draft = draft
         self.settings = settings
@@ -103,16 +106,23 @@ class Engine:
         self.drafters = self._available_drafters()
         self.default_drafter = self._default_drafter()
         # Per runner and drafter: round time by depth, and the acceptance by position a request starts from.
-        self.depth = {name: DepthController(settings.max_draft_tokens,
-                                            start=min(DEFAULT_NUM_DRAFT_TOKENS, settings.max_draft_tokens))
-                      for name in self.drafters if name != "none"}
+        self.depth = {
+            name: DepthController(
+                settings.max_draft_tokens, start=min(DEFAULT_NUM_DRAFT_TOKENS, settings.max_draft_tokens)
+            )
+            for name in self.drafters
+            if name != "none"
+        }
 
     def _available_drafters(self) -> dict[str, str]:
         """drafter -> "" when usable, else why not."""
         reasons = {"none": ""}
         target_ok = self.target.rewindable
-        why_not_target = "" if target_ok else (f"{self.target.path.name}'s cache cannot be rewound "
-                                                f"({self.target.cache_description()})")
+        why_not_target = (
+            ""
+            if target_ok
+            else (f"{self.target.path.name}'s cache cannot be rewound ({self.target.cache_description()})")
+        )
         reasons["ngram"] = why_not_target
         if self.draft is None:
             reasons["model"] = "no draft model"
@@ -141,16 +151,22 @@ class Engine:
     def speculative_note(self) -> str:
         """How the runner decodes by default, in words."""
         if self.default_drafter == "none":
-            why = self.drafters.get(self.wanted_drafter) or "drafter = \"none\""
+            why = self.drafters.get(self.wanted_drafter) or 'drafter = "none"'
             return f"plain decoding: {why}"
-        depth = (f"k = {self.settings.num_draft_tokens}" if self.settings.num_draft_tokens is not None
-                 else f"adaptive depth up to {self.settings.max_draft_tokens}")
-        source = "draft model" if self.default_drafter == "model" else (
-            f"n-gram lookup (n = {self.settings.ngram_max}..{self.settings.ngram_min})")
+        depth = (
+            f"k = {self.settings.num_draft_tokens}"
+            if self.settings.num_draft_tokens is not None
+            else f"adaptive depth up to {self.settings.max_draft_tokens}"
+        )
+        source = (
+            "draft model"
+            if self.default_drafter == "model"
+            else (f"n-gram lookup (n = {self.settings.ngram_max}..{self.settings.ngram_min})")
+        )
         return f"speculative: {source}, {depth}"
 
     @classmethod
-    def load(cls, target_dir, draft_dir=None, settings: RunnerSettings | None = None) -> "Engine":
+    def load(cls, target_dir, draft_dir=None, settings: RunnerSettings | None = None) -> Engine:
         settings = settings or RunnerSettings()
         folders = [Path(target_dir)] + ([Path(draft_dir)] if draft_dir else [])
         dtype, reason = settings.dtype, ""
@@ -160,8 +176,13 @@ class Engine:
             except (OSError, ValueError):
                 footprints = None  # load_model reports what is wrong with the folder
             if footprints is not None:
-                dtype, reason = resolve_dtype("auto", device_name(), footprints, psutil.virtual_memory().available,
-                                              context=settings.max_context or None)
+                dtype, reason = resolve_dtype(
+                    "auto",
+                    device_name(),
+                    footprints,
+                    psutil.virtual_memory().available,
+                    context=settings.max_context or None,
+                )
             else:
                 dtype = "float32" if device_name() == "cpu" else "checkpoint"
         target = load_model(folders[0], dtype, settings.max_context or None)
@@ -186,9 +207,16 @@ class Engine:
     def warm_up(self) -> None:
         """Short generations, so the first real request does not pay for first-use setup."""
         for drafter in [name for name, why in self.drafters.items() if not why]:
-            for _ in self.generate(GenerationRequest(prompt_ids=(0, 5, 6, 7, 5, 6, 7, 5), max_tokens=8,
-                                                     ignore_eos=True, cache_prompt=False, drafter=drafter,
-                                                     num_draft_tokens=0 if drafter == "none" else 2)):
+            for _ in self.generate(
+                GenerationRequest(
+                    prompt_ids=(0, 5, 6, 7, 5, 6, 7, 5),
+                    max_tokens=8,
+                    ignore_eos=True,
+                    cache_prompt=False,
+                    drafter=drafter,
+                    num_draft_tokens=0 if drafter == "none" else 2,
+                )
+            ):
                 pass
 
     def release_memory(self, prompt_cache: bool = False) -> Released:
@@ -205,24 +233,41 @@ class Engine:
         """Validate and tokenize a request once (raises InvalidRequest naming the field)."""
         if self.drafters.get(request.drafter):  # an unknown name is the request check's (prepare)
             raise InvalidRequest("drafter", f"{request.drafter!r} is not available: {self.drafters[request.drafter]}")
-        return prepare(request, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
-                       context_length=self.context_length, default_num_draft_tokens=self.default_num_draft_tokens,
-                       can_draft=self.speculative or bool(request.drafter and request.drafter != "none"))
+        return prepare(
+            request,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            default_num_draft_tokens=self.default_num_draft_tokens,
+            can_draft=self.speculative or bool(request.drafter and request.drafter != "none"),
+        )
 
     def prefill_planner(self) -> PrefillPlanner:
-        heads = max(getattr(m.model.args, "num_attention_heads", 1) or 1
-                    for m in filter(None, (self.target, self.draft)))
-        return PrefillPlanner(heads, self.settings.prefill_chunk, self.settings.prefill_seconds,
-                              self.settings.prefill_score_bytes if self.device == "cpu" else None)
+        heads = max(
+            getattr(m.model.args, "num_attention_heads", 1) or 1 for m in filter(None, (self.target, self.draft))
+        )
+        return PrefillPlanner(
+            heads,
+            self.settings.prefill_chunk,
+            self.settings.prefill_seconds,
+            self.settings.prefill_score_bytes if self.device == "cpu" else None,
+        )
 
     def session(self, prepared: PreparedRequest) -> Session:
         """A session for one prepared request, from its parts: the decoder (on the caches a prompt-cache hit
         gives), the release schedule, the prefill planner, and the prompt cache to keep its caches at the end."""
         reuse = self.prompt_cache.lookup(prepared.prompt_ids) if prepared.cache_prompt else Hit(0, None)
-        return Session(prepared, self.decoder(prepared, reuse), tokenizer=self.tokenizer, cached_tokens=reuse.tokens,
-                       schedule=ReleaseSchedule(self.release_memory, self.settings.release_interval,
-                                                self.settings.release_enabled),
-                       planner=self.prefill_planner(), keep=self.prompt_cache.store if prepared.cache_prompt else None)
+        return Session(
+            prepared,
+            self.decoder(prepared, reuse),
+            tokenizer=self.tokenizer,
+            cached_tokens=reuse.tokens,
+            schedule=ReleaseSchedule(
+                self.release_memory, self.settings.release_interval, self.settings.release_enabled
+            ),
+            planner=self.prefill_planner(),
+            keep=self.prompt_cache.store if prepared.cache_prompt else None,
+        )
 
     def decoder(self, prepared: PreparedRequest, reuse: Hit) -> Decoder:
         """The decoder for one request: plain, or speculative with its drafter and depth."""
@@ -237,13 +282,15 @@ class Engine:
             return PlainDecoder(self.target.model, prepared.prompt_ids, prepared.params, key, cache, held)
         depth = FixedDepth(pinned) if pinned is not None else self.depth[drafter].for_request()
         if drafter == "model":
-            draft_cache, draft_held = ((reuse.caches[1], reuse.tokens) if reuse.caches and len(reuse.caches) > 1
-                                       else (None, 0))
+            draft_cache, draft_held = (
+                (reuse.caches[1], reuse.tokens) if reuse.caches and len(reuse.caches) > 1 else (None, 0)
+            )
             source = ModelDrafter(self.draft.model, draft_cache, draft_held)
         else:
             source = NgramDrafter(prepared.prompt_ids, self.settings.ngram_max, self.settings.ngram_min)
-        return SpeculativeDecoder(self.target.model, prepared.prompt_ids, prepared.params, key, source, depth,
-                                  cache, held)
+        return SpeculativeDecoder(
+            self.target.model, prepared.prompt_ids, prepared.params, key, source, depth, cache, held
+        )
 
     # -- generation ---------------------------------------------------------
 

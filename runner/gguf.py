@@ -57,7 +57,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-
 @dataclass(frozen=True)
 class Architecture:
     """How a GGUF architecture maps onto an mlx-lm model."""
@@ -78,8 +77,14 @@ ARCHITECTURES = {
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", False, None, 1000000.0),  # Q/K/V biases
     "qwen3": Architecture("qwen3", "Qwen3ForCausalLM", False, "attention.key_length", 1000000.0),  # Q/K norms
     # Phi-3: Q, K and V in one projection, gate and up in another
-    "phi3": Architecture("phi3", "Phi3ForCausalLM", False, None, 10000.0,
-                         (("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj"))),
+    "phi3": Architecture(
+        "phi3",
+        "Phi3ForCausalLM",
+        False,
+        None,
+        10000.0,
+        (("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
+    ),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # GGML tensor types whose data mx.load returns unchanged (float) or exactly in MLX's affine layout (quantized).
@@ -87,15 +92,28 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANTIZED_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 # Types the importer converts itself (read with ``gguf``, ``requantized``): the width of their MLX layout, their
 # own where their groups of 32 share a scale and a bias, wider where they do not.
-REQUANTIZED_BITS = {"Q4_K": 4, "Q5_K": 5, "Q5_0": 5, "Q5_1": 5,
-                    "Q2_K": 4, "Q3_K": 4, "Q6_K": 8, "IQ4_NL": 8, "IQ4_XS": 8}
+REQUANTIZED_BITS = {
+    "Q4_K": 4,
+    "Q5_K": 5,
+    "Q5_0": 5,
+    "Q5_1": 5,
+    "Q2_K": 4,
+    "Q3_K": 4,
+    "Q6_K": 8,
+    "IQ4_NL": 8,
+    "IQ4_XS": 8,
+}
 BITS = {**QUANTIZED_TYPES, **REQUANTIZED_BITS}  # every quantized type imported: the width of its MLX layout
 GGML_GROUP_SIZE = 32
 # tokenizer.ggml.pre -> how text is split before BPE (llama.cpp's names for the regexes it uses).
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "gpt-2", "smollm", "llama-bpe", "llama3", "qwen2", "deepseek-r1-qwen")
 # Llama 3's: llama.cpp takes a split that is a whole token as it is (ignore_merges) and adds BOS by default.
 LLAMA3_PRE_TOKENIZERS = ("llama-bpe", "llama3")
@@ -107,10 +125,17 @@ SPACE_PIECE = "\u2581"  # SentencePiece's visible space
 
 # GGUF tensor name (after "blk.N.") -> mlx-lm parameter name.
 LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # Qwen3
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",  # Qwen3
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -187,8 +212,11 @@ def affine_quantize(values, bits: int, group_size: int = GGML_GROUP_SIZE) -> dic
     top = 2**bits - 1
     scale = np.where(high > low, (high - low) / top, 1.0).astype(np.float32)
     levels = np.clip(np.rint((groups - low[..., None]) / scale[..., None]), 0, top).astype(np.uint8)
-    return {"weight": mx.array(pack_levels(levels.reshape(rows, columns), bits)),
-            "scales": mx.array(scale), "biases": mx.array(low.astype(np.float32))}
+    return {
+        "weight": mx.array(pack_levels(levels.reshape(rows, columns), bits)),
+        "scales": mx.array(scale),
+        "biases": mx.array(low.astype(np.float32)),
+    }
 
 
 def _f16(column):
@@ -239,7 +267,7 @@ def affine_blocks(blocks, kind: str):
         return _nibbles(blocks[:, 4:], 1), _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
     if kind in ("Q5_0", "Q5_1"):  # d, (m,) 32 high bits, nibbles; Q5_0: d * (level - 16)
         start = 2 if kind == "Q5_0" else 4
-        levels = _nibbles(blocks[:, start + 4:], 1) | (_high_bits(blocks[:, start:start + 4], 32) << 4)
+        levels = _nibbles(blocks[:, start + 4 :], 1) | (_high_bits(blocks[:, start : start + 4], 32) << 4)
         d = _f16(blocks[:, :2])
         return levels, d, (-16 * d if kind == "Q5_0" else _f16(blocks[:, 2:4]))
     if kind in ("Q4_K", "Q5_K"):  # d, dmin, 12 bytes of 6-bit scales and mins, (32 bytes of high bits,) nibbles
@@ -272,8 +300,11 @@ def requantized(data, kind: str, bits: int) -> dict:
     if exact is None:
         return affine_quantize(dequantize(data, qtype).astype("float32"), bits)
     levels, scale, bias = exact
-    return {"weight": mx.array(pack_levels(levels.reshape(rows, -1), bits)),
-            "scales": mx.array(scale.reshape(rows, -1)), "biases": mx.array(bias.reshape(rows, -1))}
+    return {
+        "weight": mx.array(pack_levels(levels.reshape(rows, -1), bits)),
+        "scales": mx.array(scale.reshape(rows, -1)),
+        "biases": mx.array(bias.reshape(rows, -1)),
+    }
 
 
 def read_tensors(reader) -> dict:
@@ -356,8 +387,10 @@ def model_config(metadata: dict, weights: dict, quantization: dict | None) -> di
             raise GGUFImportError(f"unsupported RoPE scaling {scaling!r} (supported: linear)")
         config["rope_scaling"] = {"type": "linear", "factor": float(scalar(metadata, p + "rope.scaling.factor"))}
     if "rope_freqs.weight" in weights or "rope_factors_long.weight" in weights:
-        raise GGUFImportError("unsupported RoPE scaling: per-frequency factors (rope_freqs, Llama 3.1 style; "
-                              "rope_factors, Phi-3 128k style)")
+        raise GGUFImportError(
+            "unsupported RoPE scaling: per-frequency factors (rope_freqs, Llama 3.1 style; "
+            "rope_factors, Phi-3 128k style)"
+        )
     rotary = scalar(metadata, p + "rope.dimension_count", head_dim) if arch == "phi3" else head_dim
     if rotary != head_dim:  # Phi-3 may rotate part of each head
         config["partial_rotary_factor"] = rotary / head_dim
@@ -372,13 +405,14 @@ def model_config(metadata: dict, weights: dict, quantization: dict | None) -> di
 def check_supported(metadata: dict, types: dict[str, str]) -> None:
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFImportError(f"unsupported architecture {arch!r} (this importer handles: "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise GGUFImportError(
+            f"unsupported architecture {arch!r} (this importer handles: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     for name, kind in types.items():
         if kind not in FLOAT_TYPES and kind not in BITS:
             raise GGUFImportError(
-                f"unsupported quantization type {kind} (tensor {name}); supported: "
-                f"{', '.join((*FLOAT_TYPES, *BITS))}")
+                f"unsupported quantization type {kind} (tensor {name}); supported: {', '.join((*FLOAT_TYPES, *BITS))}"
+            )
 
 
 def mlx_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -416,8 +450,9 @@ def convert_weights(weights: dict, config: dict) -> dict:
             array = unpermute_rows(array, config["num_key_value_heads"])
         converted[target] = array
     if unknown:
-        raise GGUFImportError(f"unexpected tensors for a {config['model_type']} model: "
-                              f"{', '.join(sorted(unknown)[:5])}")
+        raise GGUFImportError(
+            f"unexpected tensors for a {config['model_type']} model: {', '.join(sorted(unknown)[:5])}"
+        )
     return converted
 
 
@@ -445,13 +480,25 @@ def pre_tokenizer(kind: str):
     if kind in ("default", "gpt2", "gpt-2"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if kind == "smollm":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    patterns = {"llama-bpe": LLAMA3_PATTERN, "llama3": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN,
-                "deepseek-r1-qwen": QWEN2_PATTERN}
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    patterns = {
+        "llama-bpe": LLAMA3_PATTERN,
+        "llama3": LLAMA3_PATTERN,
+        "qwen2": QWEN2_PATTERN,
+        "deepseek-r1-qwen": QWEN2_PATTERN,
+    }
     if kind in patterns:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(patterns[kind]), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(patterns[kind]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     raise GGUFImportError(f"unsupported pre-tokenizer {kind!r} (supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)})")
 
 
@@ -463,8 +510,9 @@ def build_tokenizer(metadata: dict):
     elif kind == "llama":
         tokenizer = sentencepiece_tokenizer(metadata)
     else:
-        raise GGUFImportError(f"unsupported tokenizer model {kind!r} (supported: gpt2 - byte-level BPE, "
-                              "llama - SentencePiece BPE)")
+        raise GGUFImportError(
+            f"unsupported tokenizer model {kind!r} (supported: gpt2 - byte-level BPE, llama - SentencePiece BPE)"
+        )
     add_special_tokens(tokenizer, metadata)
     add_bos, add_eos = bos_eos(metadata)
     if add_bos or add_eos:  # the tokenizer adds them itself: transformers ignores tokenizer_config's flags
@@ -475,10 +523,13 @@ def build_tokenizer(metadata: dict):
 def bos_eos(metadata: dict) -> tuple[bool, bool]:
     """Whether a prompt gets BOS in front and EOS behind, as llama.cpp decides: the file's flags, and where the
     file does not say (older files), BOS for a SentencePiece or Llama 3 vocabulary."""
-    default_bos = (metadata.get("tokenizer.ggml.model") == "llama"
-                   or metadata.get("tokenizer.ggml.pre") in LLAMA3_PRE_TOKENIZERS)
-    return (bool(scalar(metadata, "tokenizer.ggml.add_bos_token", default_bos)),
-            bool(scalar(metadata, "tokenizer.ggml.add_eos_token", False)))
+    default_bos = (
+        metadata.get("tokenizer.ggml.model") == "llama" or metadata.get("tokenizer.ggml.pre") in LLAMA3_PRE_TOKENIZERS
+    )
+    return (
+        bool(scalar(metadata, "tokenizer.ggml.add_bos_token", default_bos)),
+        bool(scalar(metadata, "tokenizer.ggml.add_eos_token", False)),
+    )
 
 
 def with_bos_eos(processor, metadata: dict, add_bos: bool, add_eos: bool):
@@ -503,8 +554,11 @@ def byte_level_tokenizer(metadata: dict):
     vocab = {token: index for index, token in enumerate(tokens)}
     kind = metadata.get("tokenizer.ggml.pre", "default")
     # Llama 3 takes a split that is a whole token as it is, even where no merges lead to it (" Việt").
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                                     ignore_merges=kind in LLAMA3_PRE_TOKENIZERS))
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=kind in LLAMA3_PRE_TOKENIZERS
+        )
+    )
     tokenizer.pre_tokenizer = pre_tokenizer(kind)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -531,11 +585,19 @@ def sentencepiece_tokenizer(metadata: dict):
     else:
         merges = sentencepiece_merges(tokens, as_list(metadata["tokenizer.ggml.scores"]), token_types(metadata))
     unknown = metadata.get("tokenizer.ggml.unknown_token_id")
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
-                                     unk_token=tokens[int(unknown)] if unknown is not None else None))
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            fuse_unk=True,
+            byte_fallback=True,
+            unk_token=tokens[int(unknown)] if unknown is not None else None,
+        )
+    )
     prefix = bool(scalar(metadata, "tokenizer.ggml.add_space_prefix", True))
     tokenizer.normalizer = normalizers.Sequence(
-        ([normalizers.Prepend(SPACE_PIECE)] if prefix else []) + [normalizers.Replace(" ", SPACE_PIECE)])
+        ([normalizers.Prepend(SPACE_PIECE)] if prefix else []) + [normalizers.Replace(" ", SPACE_PIECE)]
+    )
     steps = [decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tokenizer
@@ -545,8 +607,11 @@ def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int
     """The BPE merges a SentencePiece vocabulary implies: every split of a normal piece into two normal pieces,
     the pieces with the higher score first. SentencePiece merges the adjacent pair whose union scores highest,
     and never into or out of a control, byte or unknown piece; a BPE model with these merges does the same."""
-    normal = {token: index for index, token in enumerate(tokens)
-              if types[index] in (TOKEN_TYPE_NORMAL, TOKEN_TYPE_USER_DEFINED)}
+    normal = {
+        token: index
+        for index, token in enumerate(tokens)
+        if types[index] in (TOKEN_TYPE_NORMAL, TOKEN_TYPE_USER_DEFINED)
+    }
     merges = []
     for piece, index in normal.items():
         for cut in range(1, len(piece)):
@@ -573,10 +638,16 @@ def add_special_tokens(tokenizer, metadata: dict) -> None:
     from tokenizers import AddedToken
 
     tokens, types = metadata["tokenizer.ggml.tokens"], token_types(metadata)
-    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                  for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL])
-    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                          for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED])
+    tokenizer.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(types)
+            if t == TOKEN_TYPE_USER_DEFINED
+        ]
+    )
 
 
 def tokenizer_config(metadata: dict) -> dict:
@@ -636,8 +707,9 @@ def import_gguf(source: str | Path, out_dir: str | Path) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runner.gguf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m runner.gguf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("gguf", type=Path, help="the .gguf file")
     parser.add_argument("out_dir", type=Path, help="the mlx-lm folder to write")
     args = parser.parse_args(argv)

@@ -21,8 +21,10 @@ from mlx_lm.utils import dequantize_model, get_total_parameters
 
 from common.errors import ModelLoadError
 from common.footprint import context_length
+
 from .rewind import rewindable
-from .row_padding import applies as row_padding_applies, pad_single_rows
+from .row_padding import applies as row_padding_applies
+from .row_padding import pad_single_rows
 
 
 @dataclass
@@ -63,8 +65,9 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         args = self.model.args
-        size = getattr(args, "vocab_size", None) or getattr(getattr(args, "text_config", None) or {}, "get",
-                                                             lambda *_: None)("vocab_size")
+        size = getattr(args, "vocab_size", None) or getattr(
+            getattr(args, "text_config", None) or {}, "get", lambda *_: None
+        )("vocab_size")
         return int(size or len(self.tokenizer.get_vocab()))
 
     @property
@@ -90,8 +93,9 @@ def _dtype_name(model) -> str:
     return str(max(widths, key=widths.get)).removeprefix("mlx.core.")
 
 
-def load_model(folder: str | Path, dtype: str, max_context: int | None = None,
-               row_padding: bool | None = None) -> LoadedModel:
+def load_model(
+    folder: str | Path, dtype: str, max_context: int | None = None, row_padding: bool | None = None
+) -> LoadedModel:
     """Load one mlx-lm folder in ``dtype`` ("checkpoint" or "float32"); every failure is a ModelLoadError.
 
     ``row_padding``: run one-row products as two rows (``runner.row_padding``); None = where it applies."""

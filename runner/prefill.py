@@ -44,8 +44,14 @@ FIXED_COST_TOKENS = 512  # c0: a token's fixed cost expressed as attention over 
 
 
 class PrefillPlanner:
-    def __init__(self, heads: int, max_chunk: int = DEFAULT_PREFILL_CHUNK, seconds: float = DEFAULT_STALL_AFTER / 4,
-                 score_bytes: int | None = DEFAULT_PREFILL_SCORE_BYTES, first_chunk: int = PROBE_CHUNK):
+    def __init__(
+        self,
+        heads: int,
+        max_chunk: int = DEFAULT_PREFILL_CHUNK,
+        seconds: float = DEFAULT_STALL_AFTER / 4,
+        score_bytes: int | None = DEFAULT_PREFILL_SCORE_BYTES,
+        first_chunk: int = PROBE_CHUNK,
+    ):
         """``score_bytes=None`` lifts the memory limit (a GPU with fused attention)."""
         self.heads = max(1, heads)
         self.max_chunk = max(MIN_PREFILL_CHUNK, max_chunk)
@@ -83,7 +89,9 @@ class PrefillPlanner:
             self.rate = seconds / work
 
 
-def joint_groups(rows: list[tuple[int, int]], planner: PrefillPlanner, max_tokens: int = JOINT_TOKENS) -> list[list[int]]:
+def joint_groups(
+    rows: list[tuple[int, int]], planner: PrefillPlanner, max_tokens: int = JOINT_TOKENS
+) -> list[list[int]]:
     """Which waiting prompts share a prefill pass. ``rows``: (tokens already cached, tokens still to prefill) of
     each, in arrival order; returns groups of their indices, every one in exactly one group (a group
     of one prefills alone).

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
-
 MIN_REUSE_TOKENS = 8  # a shorter shared prefix (a BOS token, a template's first marker) is not worth a copy
 
 

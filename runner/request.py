@@ -12,13 +12,38 @@ from dataclasses import dataclass, fields
 
 from common.errors import InvalidRequest
 from common.requests import check_fields, template_kwargs
+
 from .sampling import SamplingParams
 
 # End-of-turn tokens of common chat templates; a template that writes one of them ends a turn with it.
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eot|>", "<|END_OF_TURN_TOKEN|>",
-               "</s>", "<|endoftext|>", "<｜end▁of▁sentence｜>")
-CHECKED = ("prompt", "prompt_ids", "messages", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
-           "num_draft_tokens", "logprobs", "top_logprobs", "drafter", "chat_template_kwargs")
+END_OF_TURN = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<|eot|>",
+    "<|END_OF_TURN_TOKEN|>",
+    "</s>",
+    "<|endoftext|>",
+    "<｜end▁of▁sentence｜>",
+)
+CHECKED = (
+    "prompt",
+    "prompt_ids",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "stop",
+    "num_draft_tokens",
+    "logprobs",
+    "top_logprobs",
+    "drafter",
+    "chat_template_kwargs",
+)
 # A text longer than this many characters per token of context cannot fit: refused before tokenizing.
 MAX_CHARS_PER_TOKEN = 32
 
@@ -73,8 +98,9 @@ def chat_ids(request: GenerationRequest, tokenizer, context_length: int) -> list
         raise InvalidRequest("messages", f"cannot fit the context of {context_length} tokens")
     conversation = [{"role": role, "content": content} for role, content in request.messages]
     try:
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                            **template_kwargs(request.chat_template_kwargs))
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, **template_kwargs(request.chat_template_kwargs)
+        )
     except Exception as error:  # noqa: BLE001 - a template raises whatever it likes (jinja2, TypeError, ...)
         raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
     return [int(t) for t in ids]
@@ -98,13 +124,21 @@ def prompt_ids_of(request: GenerationRequest, tokenizer, vocab_size: int, contex
             raise InvalidRequest("prompt_ids", f"token ids must lie in [0, {vocab_size})")
         return ids
     if len(request.prompt) > context_length * MAX_CHARS_PER_TOKEN:
-        raise InvalidRequest("prompt", f"{len(request.prompt)} characters cannot fit the context of "
-                                       f"{context_length} tokens")
+        raise InvalidRequest(
+            "prompt", f"{len(request.prompt)} characters cannot fit the context of {context_length} tokens"
+        )
     return tokenizer.encode(request.prompt)
 
 
-def prepare(request: GenerationRequest, *, tokenizer, vocab_size: int, context_length: int,
-            default_num_draft_tokens: int, can_draft: bool) -> PreparedRequest:
+def prepare(
+    request: GenerationRequest,
+    *,
+    tokenizer,
+    vocab_size: int,
+    context_length: int,
+    default_num_draft_tokens: int,
+    can_draft: bool,
+) -> PreparedRequest:
     """Validate (``common.requests.check_fields``: the same judge as the supervisor's) and tokenize ``request``
     once; raises InvalidRequest naming the field."""
     check_fields(**{f.name: getattr(request, f.name) for f in fields(request) if f.name in CHECKED})

@@ -29,8 +29,16 @@ plain decoding.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import (ArraysCache, CacheList, ConcatenateKVCache, KVCache, QuantizedKVCache,
-                                 RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache)
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
 
 # Layers that can always drop their last tokens (a rotating window cannot once it is full).
 ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)

@@ -76,9 +76,7 @@ def verify_greedy(target_logits: mx.array, draft_tokens: mx.array) -> Verdict:
     return Verdict(accepted, choices[accepted])
 
 
-def verify_sampled(
-    target_probs: mx.array, draft_probs: mx.array, draft_tokens: mx.array, key: mx.array
-) -> Verdict:
+def verify_sampled(target_probs: mx.array, draft_probs: mx.array, draft_tokens: mx.array, key: mx.array) -> Verdict:
     """Speculative sampling: rows of ``target_probs`` are p_0..p_k, of ``draft_probs`` q_0..q_{k-1}."""
     k = draft_tokens.size
     accept_key, residual_key, bonus_key = mx.random.split(key, 3)

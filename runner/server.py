@@ -21,13 +21,14 @@ from grpc_reflection.v1alpha import reflection
 
 from common import __version__
 from common.defaults import CHANNEL_OPTIONS, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_STALL_AFTER
-from .engine import Engine
-from .results import GenerationStats, Round
 from common.errors import NotReady
+from common.protocol import runner_pb2, runner_pb2_grpc
+from common.status import ServiceError, StatusInterceptor
+
+from .engine import Engine
 from .loading import LoadedModel
 from .request import GenerationRequest
-from common.status import ServiceError, StatusInterceptor
-from common.protocol import runner_pb2, runner_pb2_grpc
+from .results import GenerationStats, Round
 from .worker import MlxWorker
 
 log = logging.getLogger("runner")
@@ -59,21 +60,38 @@ def request_from_proto(message: runner_pb2.GenerateRequest) -> GenerationRequest
 
 def stats_to_proto(s: GenerationStats) -> runner_pb2.GenerationStats:
     return runner_pb2.GenerationStats(
-        prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens, rounds=s.rounds,
-        drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.acceptance_rate,
-        tokens_per_round=s.tokens_per_round, time_to_first_token_s=s.time_to_first_token,
-        prefill_s=s.prefill_seconds, decode_s=s.decode_seconds, tokens_per_second=s.tokens_per_second,
-        releases=s.releases, release_positions=s.release_positions,
-        active_memory=s.active_memory, cache_memory=s.cache_memory, peak_memory=s.peak_memory,
-        prefill_chunks=s.prefill_chunks, cached_tokens=s.cached_tokens, drafter=s.drafter, depths=s.depths,
+        prompt_tokens=s.prompt_tokens,
+        generated_tokens=s.generated_tokens,
+        rounds=s.rounds,
+        drafted=s.drafted,
+        accepted=s.accepted,
+        acceptance_rate=s.acceptance_rate,
+        tokens_per_round=s.tokens_per_round,
+        time_to_first_token_s=s.time_to_first_token,
+        prefill_s=s.prefill_seconds,
+        decode_s=s.decode_seconds,
+        tokens_per_second=s.tokens_per_second,
+        releases=s.releases,
+        release_positions=s.release_positions,
+        active_memory=s.active_memory,
+        cache_memory=s.cache_memory,
+        peak_memory=s.peak_memory,
+        prefill_chunks=s.prefill_chunks,
+        cached_tokens=s.cached_tokens,
+        drafter=s.drafter,
+        depths=s.depths,
     )
 
 
 def chunk_to_proto(r: Round) -> runner_pb2.GenerateChunk:
     chunk = runner_pb2.GenerateChunk(text=r.text, token_ids=r.token_ids, drafted=r.drafted, accepted=r.accepted)
     for entry in r.logprobs:
-        chunk.logprobs.add(token_id=entry.token, token=entry.text, logprob=entry.logprob,
-                           top=[runner_pb2.TopLogprob(token_id=t, token=text, logprob=v) for t, text, v in entry.top])
+        chunk.logprobs.add(
+            token_id=entry.token,
+            token=entry.text,
+            logprob=entry.logprob,
+            top=[runner_pb2.TopLogprob(token_id=t, token=text, logprob=v) for t, text, v in entry.top],
+        )
     if r.finish_reason is not None:
         chunk.finish_reason = r.finish_reason
     if r.stats is not None:
@@ -84,19 +102,30 @@ def chunk_to_proto(r: Round) -> runner_pb2.GenerateChunk:
 def model_info(loaded: LoadedModel) -> runner_pb2.ModelInfo:
     quantization = loaded.quantization or {}
     return runner_pb2.ModelInfo(
-        path=str(loaded.path), architecture=str(loaded.config.get("model_type", "")),
-        parameters=loaded.parameters, context_length=loaded.context_length, dtype=loaded.compute_dtype,
-        vocab_size=loaded.vocab_size, quantization_bits=int(quantization.get("bits", 0)),
+        path=str(loaded.path),
+        architecture=str(loaded.config.get("model_type", "")),
+        parameters=loaded.parameters,
+        context_length=loaded.context_length,
+        dtype=loaded.compute_dtype,
+        vocab_size=loaded.vocab_size,
+        quantization_bits=int(quantization.get("bits", 0)),
         quantization_group_size=int(quantization.get("group_size", 0) if quantization else 0),
-        cache=loaded.cache_description(), rewindable=loaded.rewindable,
+        cache=loaded.cache_description(),
+        rewindable=loaded.rewindable,
         row_padded_layers=loaded.padded_layers,
     )
 
 
 def prompt_cache_stats(cache) -> runner_pb2.PromptCacheStats:
-    return runner_pb2.PromptCacheStats(budget=cache.budget, bytes=cache.nbytes, entries=cache.entries, hits=cache.hits,
-                                       misses=cache.misses, reused_tokens=cache.reused_tokens,
-                                       evictions=cache.evictions)
+    return runner_pb2.PromptCacheStats(
+        budget=cache.budget,
+        bytes=cache.nbytes,
+        entries=cache.entries,
+        hits=cache.hits,
+        misses=cache.misses,
+        reused_tokens=cache.reused_tokens,
+        evictions=cache.evictions,
+    )
 
 
 def peak_rss() -> int:
@@ -138,14 +167,25 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         self._ready()
         engine = self.engine
         response = runner_pb2.InfoResponse(
-            name=self.name, target=model_info(engine.target), device=mx.default_device().type.name,
+            name=self.name,
+            target=model_info(engine.target),
+            device=mx.default_device().type.name,
             num_draft_tokens=engine.default_num_draft_tokens,
-            release_interval=engine.settings.release_interval, release_enabled=engine.settings.release_enabled,
-            cache_limit=engine.cache_limit, version=__version__, pid=os.getpid(), max_queue=self.worker.max_queue,
-            max_batch=self.worker.max_batch, batch_memory=self.worker.memory.budget or 0,
-            speculative=engine.speculative, decoding=engine.speculative_note, dtype_reason=engine.dtype_reason,
-            runtime_rss=self.runtime_rss, prompt_cache_budget=engine.prompt_cache.budget,
-            drafter=engine.default_drafter, adaptive_depth=engine.speculative and engine.settings.num_draft_tokens is None,
+            release_interval=engine.settings.release_interval,
+            release_enabled=engine.settings.release_enabled,
+            cache_limit=engine.cache_limit,
+            version=__version__,
+            pid=os.getpid(),
+            max_queue=self.worker.max_queue,
+            max_batch=self.worker.max_batch,
+            batch_memory=self.worker.memory.budget or 0,
+            speculative=engine.speculative,
+            decoding=engine.speculative_note,
+            dtype_reason=engine.dtype_reason,
+            runtime_rss=self.runtime_rss,
+            prompt_cache_budget=engine.prompt_cache.budget,
+            drafter=engine.default_drafter,
+            adaptive_depth=engine.speculative and engine.settings.num_draft_tokens is None,
             max_draft_tokens=engine.settings.max_draft_tokens,
         )
         if engine.draft is not None:
@@ -156,10 +196,16 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         # Read straight from MLX's allocator counters: no need to wait for the MLX thread.
         worker = self.worker
         return runner_pb2.MemoryResponse(
-            active=mx.get_active_memory(), cache=mx.get_cache_memory(), peak=mx.get_peak_memory(),
-            cache_limit=self.engine.cache_limit if self.engine else 0, memory_limit=mx.get_memory_limit(),
-            releases=self.engine.total_releases if self.engine else 0, rss=self._process.memory_info().rss,
-            queued=worker.queued if worker else 0, busy=worker.busy if worker else False, peak_rss=peak_rss(),
+            active=mx.get_active_memory(),
+            cache=mx.get_cache_memory(),
+            peak=mx.get_peak_memory(),
+            cache_limit=self.engine.cache_limit if self.engine else 0,
+            memory_limit=mx.get_memory_limit(),
+            releases=self.engine.total_releases if self.engine else 0,
+            rss=self._process.memory_info().rss,
+            queued=worker.queued if worker else 0,
+            busy=worker.busy if worker else False,
+            peak_rss=peak_rss(),
             active_requests=worker.active if worker else 0,
             prompt_cache=prompt_cache_stats(self.engine.prompt_cache) if self.engine else None,
         )
@@ -167,16 +213,26 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
     def ReleaseMemory(self, message, context):
         worker = self._ready()
         released = worker.call(lambda: self.engine.release_memory(prompt_cache=message.prompt_cache)).result()
-        log.info("released on request: %d prompt-cache entries (%d bytes), then the pool: %d -> %d bytes",
-                 released.evicted_entries, released.evicted_bytes, released.cache_before, released.cache_after)
-        return runner_pb2.ReleaseMemoryResponse(cache_before=released.cache_before, cache_after=released.cache_after,
-                                                evicted_entries=released.evicted_entries,
-                                                evicted_bytes=released.evicted_bytes)
+        log.info(
+            "released on request: %d prompt-cache entries (%d bytes), then the pool: %d -> %d bytes",
+            released.evicted_entries,
+            released.evicted_bytes,
+            released.cache_before,
+            released.cache_after,
+        )
+        return runner_pb2.ReleaseMemoryResponse(
+            cache_before=released.cache_before,
+            cache_after=released.cache_after,
+            evicted_entries=released.evicted_entries,
+            evicted_bytes=released.evicted_bytes,
+        )
 
     def _debug(self) -> MlxWorker:
         worker = self._ready()
         if not self.debug_rpcs:
-            raise ServiceError(grpc.StatusCode.PERMISSION_DENIED, "debug RPCs are off (start the runner with --debug-rpcs)")
+            raise ServiceError(
+                grpc.StatusCode.PERMISSION_DENIED, "debug RPCs are off (start the runner with --debug-rpcs)"
+            )
         return worker
 
     def DebugBlock(self, message, context):
@@ -184,7 +240,6 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         log.warning("debug: blocking the MLX thread for %.1f s", message.seconds)
         worker.call(lambda: time.sleep(message.seconds))  # not awaited: the caller returns at once
         return runner_pb2.DebugBlockResponse()
-
 
     def DebugExit(self, message, context):
         worker = self._debug()
@@ -196,8 +251,14 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
 class RunnerServer:
     """gRPC server, health and reflection around one RunnerService."""
 
-    def __init__(self, service: RunnerService, address: str, max_queue: int = DEFAULT_MAX_QUEUE,
-                 stall_after: float = DEFAULT_STALL_AFTER, max_batch: int = DEFAULT_MAX_BATCH):
+    def __init__(
+        self,
+        service: RunnerService,
+        address: str,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        stall_after: float = DEFAULT_STALL_AFTER,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ):
         self.service = service
         self.max_batch = max_batch
         self.stall_after = stall_after
@@ -207,13 +268,15 @@ class RunnerServer:
         self.health = health.HealthServicer()
         # Handler threads: one per queued or running stream, plus room for health and memory probes.
         streams = max_queue + max_batch
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=streams + 16, thread_name_prefix="grpc"),
-                                  options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=streams + 64,
-                                  interceptors=[StatusInterceptor()])
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=streams + 16, thread_name_prefix="grpc"),
+            options=CHANNEL_OPTIONS,
+            maximum_concurrent_rpcs=streams + 64,
+            interceptors=[StatusInterceptor()],
+        )
         runner_pb2_grpc.add_RunnerServicer_to_server(service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.server.add_insecure_port(address) == 0 and not address.startswith("unix:"):
             raise OSError(f"cannot listen on {address}")
@@ -243,8 +306,9 @@ class RunnerServer:
                 stalled = now_stalled
                 if stalled:
                     log.error("MLX thread stalled for over %.1f s: health NOT_SERVING", self.stall_after)
-                self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING if stalled
-                                 else health_pb2.HealthCheckResponse.SERVING)
+                self._set_health(
+                    health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+                )
 
     def shutdown(self, grace: float) -> None:
         """NOT_SERVING, no new calls, in-flight work gets ``grace`` seconds, then is cancelled."""

@@ -36,8 +36,17 @@ from .stopping import StoppingCriteria
 
 
 class Session:
-    def __init__(self, prepared: PreparedRequest, decoder: Decoder, *, tokenizer, cached_tokens: int,
-                 schedule: ReleaseSchedule, planner: PrefillPlanner, keep=None):
+    def __init__(
+        self,
+        prepared: PreparedRequest,
+        decoder: Decoder,
+        *,
+        tokenizer,
+        cached_tokens: int,
+        schedule: ReleaseSchedule,
+        planner: PrefillPlanner,
+        keep=None,
+    ):
         """``cached_tokens``: what the decoder's caches hold of the prompt already (a prompt-cache hit);
         ``keep(tokens, caches)``: where its caches go when it ends (the prompt cache), or None."""
         self.prepared = prepared
@@ -46,8 +55,9 @@ class Session:
         self._keep = keep
         self.stopping = StoppingCriteria(tokenizer, prepared.eos_ids, prepared.request.stop, prepared.max_tokens)
         self.schedule = schedule
-        self.stats = GenerationStats(prompt_tokens=len(prepared.prompt_ids), cached_tokens=cached_tokens,
-                                     drafter=decoder.drafter_name)
+        self.stats = GenerationStats(
+            prompt_tokens=len(prepared.prompt_ids), cached_tokens=cached_tokens, drafter=decoder.drafter_name
+        )
         self.planner = planner
         mx.reset_peak_memory()
         self.start = time.perf_counter()
@@ -166,8 +176,11 @@ class Session:
             if decision.finish_reason is not None:
                 self.finish_reason = decision.finish_reason
                 break
-        logprobs = (token_logprobs(self._tokenizer, logits, emitted, self.prepared.top_logprobs)
-                    if self.prepared.logprobs else [])
+        logprobs = (
+            token_logprobs(self._tokenizer, logits, emitted, self.prepared.top_logprobs)
+            if self.prepared.logprobs
+            else []
+        )
         stats = self.stats
         before = stats.generated_tokens
         stats.generated_tokens += len(emitted)

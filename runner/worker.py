@@ -28,10 +28,11 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from common.errors import EngineError, QueueFull, WorkerStopped
+
 from .batch import Batch, prefill_jointly
 from .batch_memory import BatchMemory
 from .engine import Engine
-from common.errors import EngineError, QueueFull, WorkerStopped
 from .prefill import joint_groups
 from .request import PreparedRequest
 from .results import Round
@@ -176,8 +177,7 @@ class MlxWorker:
         if not self._jobs:
             return False
         active = self._active + (admitted or [])
-        return len(active) < self.max_batch and self.memory.admits([j.request for j in active],
-                                                                    self._jobs[0].request)
+        return len(active) < self.max_batch and self.memory.admits([j.request for j in active], self._jobs[0].request)
 
     def _run_controls(self) -> None:
         while True:
@@ -302,9 +302,16 @@ class MlxWorker:
             with self._lock:
                 self._active.remove(job)
             s = final.stats
-            log.info("request %s: %s after %d tokens, %d rounds, acceptance %.2f, %.0f tok/s, releases %s",
-                     job.request.request_id or "-", final.finish_reason.name.lower(), s.generated_tokens, s.rounds,
-                     s.acceptance_rate, s.tokens_per_second, s.release_positions)
+            log.info(
+                "request %s: %s after %d tokens, %d rounds, acceptance %.2f, %.0f tok/s, releases %s",
+                job.request.request_id or "-",
+                final.finish_reason.name.lower(),
+                s.generated_tokens,
+                s.rounds,
+                s.acceptance_rate,
+                s.tokens_per_second,
+                s.release_positions,
+            )
 
     def _fail(self, job: GenerationJob, error: BaseException) -> None:
         session = job.session

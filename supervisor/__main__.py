@@ -1,4 +1,8 @@
-"""python -m supervisor serve [--config FILE] | chat --model NAME | generate --model NAME PROMPT | models | memory | status"""
+"""The supervisor's command line.
+
+python -m supervisor serve [--config FILE] | chat --model NAME | generate --model NAME PROMPT
+                     | models | memory | status
+"""
 
 from __future__ import annotations
 
@@ -36,8 +40,11 @@ def serve(args) -> int:
     except (OSError, RuntimeError, ConfigError) as error:
         print(f"supervisor: {error}", file=sys.stderr)
         return 2
-    if args.sample_request and supervisor.scheduler.runners[next(iter(config.models))].wait_serving(
-            config.startup_timeout).name == "SERVING":
+    if (
+        args.sample_request
+        and supervisor.scheduler.runners[next(iter(config.models))].wait_serving(config.startup_timeout).name
+        == "SERVING"
+    ):
         console.pause()  # the answers in one block; the log lines written meanwhile come after it
         try:
             answer_sample_request(config.listen, next(iter(config.models)))
@@ -59,8 +66,11 @@ def answer_sample_request(address: str, model: str) -> None:
         for last in client.generate(model=model, prompt=SAMPLE_PROMPT, max_tokens=120, timeout=300):
             print(last.text, end="", flush=True)
         s = last.stats
-        print(f"\n--- {s.generated_tokens} tokens, {s.tokens_per_second:.0f} tok/s, acceptance {s.acceptance_rate:.2f} "
-              f"(python -m supervisor generate --model {model} \"...\")\n", flush=True)
+        print(
+            f"\n--- {s.generated_tokens} tokens, {s.tokens_per_second:.0f} tok/s, acceptance {s.acceptance_rate:.2f} "
+            f'(python -m supervisor generate --model {model} "...")\n',
+            flush=True,
+        )
 
 
 def answer_sample_chat(http_listen: str, model: str) -> None:
@@ -68,8 +78,12 @@ def answer_sample_chat(http_listen: str, model: str) -> None:
     import json
     import urllib.request
 
-    body = {"model": model, "messages": [{"role": "user", "content": SAMPLE_QUESTION}], "temperature": 0,
-            "max_tokens": 60}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
+        "temperature": 0,
+        "max_tokens": 60,
+    }
     url = f"http://{http_listen}/v1/chat/completions"
     print(f"--- sample chat to model {model!r}: POST {url}\n{SAMPLE_QUESTION}", flush=True)
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
@@ -81,8 +95,11 @@ def answer_sample_chat(http_listen: str, model: str) -> None:
         return
     usage, extra = answer["usage"], answer["x_mlxserve"]
     print(answer["choices"][0]["message"]["content"])
-    print(f"--- {usage['completion_tokens']} tokens, {extra['tokens_per_second']:.0f} tok/s "
-          f"(python -m supervisor chat --model {model})\n", flush=True)
+    print(
+        f"--- {usage['completion_tokens']} tokens, {extra['tokens_per_second']:.0f} tok/s "
+        f"(python -m supervisor chat --model {model})\n",
+        flush=True,
+    )
 
 
 def client_command(args) -> int:
@@ -92,14 +109,22 @@ def client_command(args) -> int:
         with SupervisorClient(args.address, token=args.token) as client:
             if args.command == "generate":
                 last = None
-                for last in client.generate(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
-                                            temperature=args.temperature, timeout=args.timeout):
+                for last in client.generate(
+                    model=args.model,
+                    prompt=args.prompt,
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    timeout=args.timeout,
+                ):
                     sys.stdout.write(last.text)
                     sys.stdout.flush()
                 if last is not None and last.HasField("stats"):
                     s = last.stats
-                    print(f"\n[{s.generated_tokens} tokens, {s.tokens_per_second:.0f} tok/s, "
-                          f"acceptance {s.acceptance_rate:.2f}]", file=sys.stderr)
+                    print(
+                        f"\n[{s.generated_tokens} tokens, {s.tokens_per_second:.0f} tok/s, "
+                        f"acceptance {s.acceptance_rate:.2f}]",
+                        file=sys.stderr,
+                    )
                 else:
                     print()
             elif args.command == "models":
@@ -107,12 +132,17 @@ def client_command(args) -> int:
             elif args.command == "memory":
                 memory = client.get_memory()
                 print(format_models(memory.models, memory=True))
-                print(f"system: {memory.system_available / 2**20:.0f} MiB available of {memory.system_total / 2**20:.0f} MiB; "
-                      f"supervisor RSS {memory.supervisor_rss / 2**20:.0f} MiB")
+                print(
+                    f"system: {memory.system_available / 2**20:.0f} MiB available "
+                    f"of {memory.system_total / 2**20:.0f} MiB; "
+                    f"supervisor RSS {memory.supervisor_rss / 2**20:.0f} MiB"
+                )
             elif args.command == "status":
                 status = client.get_status()
-                print(f"supervisor {status.version} pid {status.pid}, up {status.uptime_s:.0f} s, "
-                      f"{'ready' if status.ready else 'not ready'}, max_loaded {status.max_loaded}")
+                print(
+                    f"supervisor {status.version} pid {status.pid}, up {status.uptime_s:.0f} s, "
+                    f"{'ready' if status.ready else 'not ready'}, max_loaded {status.max_loaded}"
+                )
                 print(format_models(status.models))
     except grpc.RpcError as error:
         print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)

@@ -54,8 +54,15 @@ def stats_line(stats) -> str:
 
 
 class Chat:
-    def __init__(self, client: SupervisorClient, model: str, system: str = "", max_tokens: int = 1024,
-                 temperature: float = 0.0, out=sys.stdout):
+    def __init__(
+        self,
+        client: SupervisorClient,
+        model: str,
+        system: str = "",
+        max_tokens: int = 1024,
+        temperature: float = 0.0,
+        out=sys.stdout,
+    ):
         self.client = client
         self.model = model
         self.system = system
@@ -69,8 +76,9 @@ class Chat:
         self.messages = [("system", self.system)] if self.system else []
 
     def request(self) -> supervisor_pb2.GenerateRequest:
-        request = supervisor_pb2.GenerateRequest(model=self.model, max_tokens=self.max_tokens,
-                                                 temperature=self.temperature, request_id="chat")
+        request = supervisor_pb2.GenerateRequest(
+            model=self.model, max_tokens=self.max_tokens, temperature=self.temperature, request_id="chat"
+        )
         for role, content in self.messages:
             request.messages.add(role=role, content=content)
         return request
@@ -93,7 +101,9 @@ class Chat:
                 return
             self.out.write("\n[stopped]\n")
         else:
-            self.out.write("\n" + (stats_line(last.stats) if last is not None and last.HasField("stats") else "") + "\n")
+            self.out.write(
+                "\n" + (stats_line(last.stats) if last is not None and last.HasField("stats") else "") + "\n"
+            )
         self.messages.append(("assistant", "".join(answer)))
         self.out.flush()
 

@@ -22,10 +22,14 @@ class SupervisorClient(HealthCheckedClient):
         return self.stub.ListModels(supervisor_pb2.ListModelsRequest(), timeout=10, metadata=self.metadata)
 
     def load_model(self, model: str, timeout: float = 180):
-        return self.stub.LoadModel(supervisor_pb2.LoadModelRequest(model=model), timeout=timeout, metadata=self.metadata)
+        return self.stub.LoadModel(
+            supervisor_pb2.LoadModelRequest(model=model), timeout=timeout, metadata=self.metadata
+        )
 
     def unload_model(self, model: str, timeout: float = 60):
-        return self.stub.UnloadModel(supervisor_pb2.UnloadModelRequest(model=model), timeout=timeout, metadata=self.metadata)
+        return self.stub.UnloadModel(
+            supervisor_pb2.UnloadModelRequest(model=model), timeout=timeout, metadata=self.metadata
+        )
 
     def get_memory(self, model: str = ""):
         return self.stub.GetMemory(supervisor_pb2.GetMemoryRequest(model=model), timeout=10, metadata=self.metadata)
@@ -43,11 +47,14 @@ def format_models(models, memory: bool = False) -> str:
         line = f"{m.name:<16} {STATE_NAMES[m.state]:<9} pid {m.pid:<7} restarts {m.restarts:<3} {m.reason}"
         if memory:
             s = m.memory
-            line += (f"\n    rss {s.rss / 2**20:.0f} MiB, anonymous {s.anonymous / 2**20:.0f} MiB, peak {s.peak_rss / 2**20:.0f} MiB "
-                     f"(estimate {s.estimate / 2**20:.0f} MiB), "
-                     f"growth {s.growth_bytes_per_s / 2**20:+.1f} MiB/s; MLX active {s.mlx_active / 2**20:.0f} MiB, "
-                     f"pool {s.mlx_cache / 2**20:.1f} MiB, releases {s.mlx_releases}; prompt cache "
-                     f"{s.prompt_cache.entries} entries, {s.prompt_cache.bytes / 2**20:.1f} of "
-                     f"{s.prompt_cache.budget / 2**20:.0f} MiB, {s.prompt_cache.hits} hits")
+            line += (
+                f"\n    rss {s.rss / 2**20:.0f} MiB, anonymous {s.anonymous / 2**20:.0f} MiB, "
+                f"peak {s.peak_rss / 2**20:.0f} MiB "
+                f"(estimate {s.estimate / 2**20:.0f} MiB), "
+                f"growth {s.growth_bytes_per_s / 2**20:+.1f} MiB/s; MLX active {s.mlx_active / 2**20:.0f} MiB, "
+                f"pool {s.mlx_cache / 2**20:.1f} MiB, releases {s.mlx_releases}; prompt cache "
+                f"{s.prompt_cache.entries} entries, {s.prompt_cache.bytes / 2**20:.1f} of "
+                f"{s.prompt_cache.budget / 2**20:.0f} MiB, {s.prompt_cache.hits} hits"
+            )
         lines.append(line)
     return "\n".join(lines)

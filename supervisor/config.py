@@ -27,10 +27,10 @@
     dtype = "auto"                    # "auto", "checkpoint" (as stored, quantized stays quantized) or "float32"
     max_context = 4096                # lower the model's context length (default: the model's own)
     max_batch = 16                    # requests decoded together (1 = one at a time)
-    max_queue = 512                   # requests that may wait for a place in the batch; the next gets RESOURCE_EXHAUSTED
+    max_queue = 512                   # requests that may wait for a place in the batch; the next is refused
     stall_after = "30s"               # no progress of the MLX thread this long = hung
     prompt_cache = "1GiB"             # KV caches kept for prefix reuse; 0 = off; default: see supervisor/memory.py
-    batch_memory = "2GiB"             # batched requests' caches, projected to their ends; default: see supervisor/memory.py
+    batch_memory = "2GiB"             # batched requests' caches, projected to their ends; default: derived
 
 A model's runner settings (every key above but soft_limit, hard_limit, keep_alive and load_at_start) are
 read, checked and defaulted in one place, ``common.settings.RunnerSettings``; the full list of keys is
@@ -49,7 +49,9 @@ from pathlib import Path
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_GRACE, DEFAULT_TARGET, SMOLLM2_DIR
 from common.logs import LOG_FORMATS
-from common.settings import RunnerSettings, SettingsError, parse_duration as _duration, parse_size as _size
+from common.settings import RunnerSettings, SettingsError
+from common.settings import parse_duration as _duration
+from common.settings import parse_size as _size
 
 from .gguf_cache import GGUFCacheError, default_cache_dir, imported_folder
 
@@ -176,15 +178,23 @@ def _model(name: str, table: dict, base: Path, grace: float) -> ModelConfig:
         settings = RunnerSettings.from_table(table, name=name, grace=grace)
     except SettingsError as error:
         raise ConfigError(f"{p}{error.key}", error.message) from None
-    settings = replace(settings, target=_model_path(f"{p}target", settings.target, base),
-                       draft=_model_path(f"{p}draft", settings.draft, base))
+    settings = replace(
+        settings,
+        target=_model_path(f"{p}target", settings.target, base),
+        draft=_model_path(f"{p}draft", settings.draft, base),
+    )
     soft = parse_size(f"{p}soft_limit", table.pop("soft_limit", 0))
     hard = parse_size(f"{p}hard_limit", table.pop("hard_limit", 0))
     if soft and hard and soft >= hard:
         raise ConfigError(f"{p}soft_limit", "must be below hard_limit")
-    model = ModelConfig(name=name, runner=settings, soft_limit=soft, hard_limit=hard,
-                        keep_alive=parse_duration(f"{p}keep_alive", table.pop("keep_alive", 0)),
-                        load_at_start=_take(table, "load_at_start", p, bool, True))
+    model = ModelConfig(
+        name=name,
+        runner=settings,
+        soft_limit=soft,
+        hard_limit=hard,
+        keep_alive=parse_duration(f"{p}keep_alive", table.pop("keep_alive", 0)),
+        load_at_start=_take(table, "load_at_start", p, bool, True),
+    )
     if table:
         raise ConfigError(f"{p}{sorted(table)[0]}", "unknown key")
     return model
@@ -241,8 +251,9 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
         if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ConfigError("http_listen", f"{http_listen!r} is not HOST:PORT")
         if not is_loopback(http_listen) and not allow_remote:
-            raise ConfigError("http_listen", f"{http_listen} is not a loopback address: set allow_remote = true "
-                                             "to bind it")
+            raise ConfigError(
+                "http_listen", f"{http_listen} is not a loopback address: set allow_remote = true to bind it"
+            )
     probe_port = _take(data, "probe_port", "", int, DEFAULT_PROBE_PORT)
     if not 0 <= probe_port <= 65535:
         raise ConfigError("probe_port", "must lie in [0, 65535]")
@@ -258,8 +269,17 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
         if value and not (base / value).is_file():
             raise ConfigError(key, f"no such file: {base / value}")
     timings = {}
-    for key in ("startup_timeout", "health_period", "health_deadline", "memory_period", "restart_backoff",
-                "restart_backoff_cap", "stable_after", "drain_grace", "kill_timeout"):
+    for key in (
+        "startup_timeout",
+        "health_period",
+        "health_deadline",
+        "memory_period",
+        "restart_backoff",
+        "restart_backoff_cap",
+        "stable_after",
+        "drain_grace",
+        "kill_timeout",
+    ):
         if key in data:
             timings[key] = parse_duration(key, data.pop(key))
     for key in ("health_misses", "max_restarts"):
@@ -268,10 +288,19 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
             if timings[key] < 1:
                 raise ConfigError(key, "must be at least 1")
     config = SupervisorConfig(
-        models=models, listen=listen, http_listen=http_listen, probe_port=probe_port, runtime_dir=runtime_dir, max_loaded=max_loaded,
-        allow_remote=allow_remote, auth_token=_take(data, "auth_token", "", str, ""),
-        tls_cert=base / tls_cert if tls_cert else None, tls_key=base / tls_key if tls_key else None,
-        gguf_cache_dir=gguf_cache_dir, log_format=log_format, **timings,
+        models=models,
+        listen=listen,
+        http_listen=http_listen,
+        probe_port=probe_port,
+        runtime_dir=runtime_dir,
+        max_loaded=max_loaded,
+        allow_remote=allow_remote,
+        auth_token=_take(data, "auth_token", "", str, ""),
+        tls_cert=base / tls_cert if tls_cert else None,
+        tls_key=base / tls_key if tls_key else None,
+        gguf_cache_dir=gguf_cache_dir,
+        log_format=log_format,
+        **timings,
     )
     if data:
         raise ConfigError(sorted(data)[0], "unknown key")
@@ -294,8 +323,9 @@ def default_config(**overrides) -> SupervisorConfig:
     when `make real-model` has imported it (loaded on its first request)."""
     models = {"default": ModelConfig("default", RunnerSettings(target=DEFAULT_TARGET, draft=DEFAULT_DRAFT))}
     if (SMOLLM2_DIR / "config.json").is_file():
-        models["smollm2"] = ModelConfig("smollm2", RunnerSettings(target=SMOLLM2_DIR, name="smollm2"),
-                                        load_at_start=False)
+        models["smollm2"] = ModelConfig(
+            "smollm2", RunnerSettings(target=SMOLLM2_DIR, name="smollm2"), load_at_start=False
+        )
     return SupervisorConfig(models=models, **overrides)
 
 

@@ -30,8 +30,13 @@ log = logging.getLogger("supervisor")
 MAX_RESENDS = 3
 NO_DEADLINE = 10 * 365 * 86400.0
 # Runner answers passed through unchanged: they are about the request, not the runner.
-PASSED_THROUGH = {Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED, Code.DEADLINE_EXCEEDED, Code.PERMISSION_DENIED,
-                  Code.NOT_FOUND}
+PASSED_THROUGH = {
+    Code.INVALID_ARGUMENT,
+    Code.RESOURCE_EXHAUSTED,
+    Code.DEADLINE_EXCEEDED,
+    Code.PERMISSION_DENIED,
+    Code.NOT_FOUND,
+}
 
 
 class Generation:
@@ -114,11 +119,20 @@ class Generation:
                     return
                 except grpc.RpcError as error:
                     failure, runner_went_away = self._failure(runner, call, error)
-                    if (runner_went_away and self.tokens == 0 and resends < MAX_RESENDS
-                            and not self.sup.shutting_down.is_set() and (timeout is None or self.remaining() > 0)):
+                    if (
+                        runner_went_away
+                        and self.tokens == 0
+                        and resends < MAX_RESENDS
+                        and not self.sup.shutting_down.is_set()
+                        and (timeout is None or self.remaining() > 0)
+                    ):
                         resends += 1
-                        log.info("model %s: runner went away before the first token (%s); sending the request "
-                                 "again once it is back", self.model, failure.message)
+                        log.info(
+                            "model %s: runner went away before the first token (%s); sending the request "
+                            "again once it is back",
+                            self.model,
+                            failure.message,
+                        )
                         self._wait_for_replacement(runner, pid)
                         continue
                     raise failure from None
@@ -130,8 +144,10 @@ class Generation:
         """What the client is told, and whether the runner went away (so the request may be sent again)."""
         code = error.code()
         if self.sup.shutting_down.is_set():
-            return ServiceError(Code.UNAVAILABLE, f"model {self.model}: supervisor shutting down; the generation was "
-                                                  f"cut off after {self.tokens} tokens"), False
+            return ServiceError(
+                Code.UNAVAILABLE,
+                f"model {self.model}: supervisor shutting down; the generation was cut off after {self.tokens} tokens",
+            ), False
         if runner.failure_for(call) is None and code in PASSED_THROUGH:
             return ServiceError(code, error.details() or code.name), False
         if self._cancelled.is_set():

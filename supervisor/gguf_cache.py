@@ -60,8 +60,9 @@ def imported_folder(source: Path, cache_dir: Path) -> Path:
         shutil.rmtree(leftover, ignore_errors=True)
     log.info("importing %s into %s (once: later starts reuse it)", source, folder)
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "runner.gguf", str(source), str(partial)], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "runner.gguf", str(source), str(partial)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
         lines = done.stderr.strip().splitlines() or [f"the importer exited with status {done.returncode}"]

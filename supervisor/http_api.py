@@ -29,7 +29,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Union
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,7 +50,7 @@ log = logging.getLogger("supervisor")
 
 MAX_TOKENS_UNSET = 2**31 - 1  # the runner caps it at the room left in the context
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
-Number = Union[StrictInt, StrictFloat]
+Number = StrictInt | StrictFloat
 
 
 # -- request schemas ----------------------------------------------------------------------------------
@@ -108,8 +108,11 @@ class ChatMessage(Schema):
         parts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise ServiceError(Code.INVALID_ARGUMENT, f"messages: content parts of type {part.type!r} are not "
-                                                          "supported (text only)", "messages")
+                raise ServiceError(
+                    Code.INVALID_ARGUMENT,
+                    f"messages: content parts of type {part.type!r} are not supported (text only)",
+                    "messages",
+                )
             parts.append(part.text)
         return "".join(parts)
 
@@ -143,18 +146,24 @@ class Sampling(Schema):
         filled in."""
         if self.n != 1:
             raise ServiceError(Code.INVALID_ARGUMENT, "n: only 1 choice per request is supported", "n")
-        return {"max_tokens": MAX_TOKENS_UNSET if max_tokens is None else max_tokens,
-                "temperature": 1.0 if self.temperature is None else float(self.temperature),  # OpenAI's default
-                "top_p": 1.0 if self.top_p is None else float(self.top_p), "top_k": self.top_k or 0,
-                "min_p": float(self.min_p or 0.0), "seed": self.seed,
-                "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
-                "num_draft_tokens": self.num_draft_tokens, "drafter": self.drafter or ""}
+        return {
+            "max_tokens": MAX_TOKENS_UNSET if max_tokens is None else max_tokens,
+            "temperature": 1.0 if self.temperature is None else float(self.temperature),  # OpenAI's default
+            "top_p": 1.0 if self.top_p is None else float(self.top_p),
+            "top_k": self.top_k or 0,
+            "min_p": float(self.min_p or 0.0),
+            "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
+            "num_draft_tokens": self.num_draft_tokens,
+            "drafter": self.drafter or "",
+        }
 
     def build(self, fields: dict, messages=()) -> supervisor_pb2.GenerateRequest:
         """The message, once ``check_fields`` has found every field in range (so each fits its message field)."""
         check_fields(**fields, messages=[(role, content) for role, content, _ in messages])
-        proto = supervisor_pb2.GenerateRequest(model=self.model, ignore_eos=self.ignore_eos,
-                                               request_id=f"http-{secrets.token_hex(6)}")
+        proto = supervisor_pb2.GenerateRequest(
+            model=self.model, ignore_eos=self.ignore_eos, request_id=f"http-{secrets.token_hex(6)}"
+        )
         for key, value in fields.items():
             if value is None:
                 continue
@@ -177,8 +186,11 @@ class ChatCompletionRequest(Sampling):
     def to_proto(self) -> supervisor_pb2.GenerateRequest:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         fields = self.sampling_fields(max_tokens)
-        fields.update(logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0,
-                      chat_template_kwargs=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "")
+        fields.update(
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+            chat_template_kwargs=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "",
+        )
         messages = [("system" if m.role == "developer" else m.role, m.text(), m.name or "") for m in self.messages]
         return self.build(fields, messages)
 
@@ -213,21 +225,38 @@ class CompletionRequest(Sampling):
 
 
 def usage(stats: runner_pb2.GenerationStats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
 
 
 def speculation(stats: runner_pb2.GenerationStats) -> dict:
-    return {"drafted": stats.drafted, "accepted": stats.accepted, "acceptance_rate": round(stats.acceptance_rate, 4),
-            "rounds": stats.rounds, "tokens_per_second": round(stats.tokens_per_second, 2),
-            "time_to_first_token_s": round(stats.time_to_first_token_s, 4), "drafter": stats.drafter}
+    return {
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "rounds": stats.rounds,
+        "tokens_per_second": round(stats.tokens_per_second, 2),
+        "time_to_first_token_s": round(stats.time_to_first_token_s, 4),
+        "drafter": stats.drafter,
+    }
 
 
 def chat_logprobs(entries) -> list[dict]:
-    return [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode("utf-8")),
-             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))}
-                              for t in e.top]} for e in entries]
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.token.encode("utf-8")),
+            "top_logprobs": [
+                {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))} for t in e.top
+            ],
+        }
+        for e in entries
+    ]
 
 
 def completion_logprobs(entries, offset: int) -> dict:
@@ -277,22 +306,32 @@ class Answer:
         """Chat streams open with the assistant's role."""
         if not self.chat:
             return None
-        return {**self._base("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]}
+        return {
+            **self._base("chat.completion.chunk"),
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+        }
 
     def event(self, chunk) -> dict | None:
         finish = FINISH_REASONS.get(chunk.finish_reason) if chunk.finish_reason else None
         if not chunk.text and finish is None and not chunk.logprobs:
             return None
         if self.chat:
-            choice = {"index": 0, "delta": {"content": chunk.text} if chunk.text else {},
-                      "logprobs": {"content": chat_logprobs(chunk.logprobs)} if self.logprobs else None,
-                      "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "delta": {"content": chunk.text} if chunk.text else {},
+                "logprobs": {"content": chat_logprobs(chunk.logprobs)} if self.logprobs else None,
+                "finish_reason": finish,
+            }
             body = self._base("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": chunk.text, "finish_reason": finish,
-                      "logprobs": completion_logprobs(chunk.logprobs, self.text_length) if self.logprobs else None}
+            choice = {
+                "index": 0,
+                "text": chunk.text,
+                "finish_reason": finish,
+                "logprobs": completion_logprobs(chunk.logprobs, self.text_length) if self.logprobs else None,
+            }
             body = self._base("text_completion")
         self.text_length += len(chunk.text)
         body["choices"] = [choice]
@@ -375,7 +414,9 @@ def create_app(supervisor) -> FastAPI:
         generation = supervisor.generate(proto, timeout=None)
         out = Answer(kind, body.model, logprobs)
         if body.stream:
-            return await stream(request, generation, out, bool(body.stream_options and body.stream_options.include_usage))
+            return await stream(
+                request, generation, out, bool(body.stream_options and body.stream_options.include_usage)
+            )
         return await whole(request, generation, out)
 
     async def until_done(request: Request, generation, work):
@@ -429,8 +470,9 @@ class EventStream(StreamingResponse):
     ``chunks``; left to the garbage collector, they would hold the runner call until a collection."""
 
     def __init__(self, events, generation, chunks):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.generation, self.chunks = generation, chunks
 
     async def __call__(self, scope, receive, send) -> None:
@@ -445,8 +487,7 @@ class EventStream(StreamingResponse):
 class HttpServer:
     """uvicorn serving the app on its own thread; the socket is bound up front, so a busy port fails start-up."""
 
-    def __init__(self, app: FastAPI, listen: str, tls_cert=None, tls_key=None, grace: float = 10.0,
-                 threads: int = 256):
+    def __init__(self, app: FastAPI, listen: str, tls_cert=None, tls_key=None, grace: float = 10.0, threads: int = 256):
         self.threads = threads
         import uvicorn
 
@@ -463,10 +504,16 @@ class HttpServer:
         self.socket.listen(512)
         self.port = self.socket.getsockname()[1]
         self.scheme = "https" if tls_cert else "http"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
-                                timeout_graceful_shutdown=grace,
-                                ssl_certfile=str(tls_cert) if tls_cert else None,
-                                ssl_keyfile=str(tls_key) if tls_key else None)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=grace,
+            ssl_certfile=str(tls_cert) if tls_cert else None,
+            ssl_keyfile=str(tls_key) if tls_key else None,
+        )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._run, name="http", daemon=True)
 

@@ -50,5 +50,11 @@ def http_status(code: grpc.StatusCode) -> int:
 def openai_error(error: ServiceError) -> tuple[int, dict]:
     """HTTP status and body in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     status = http_status(error.code)
-    return status, {"error": {"message": error.message, "type": OPENAI_TYPES.get(status, "server_error"),
-                              "param": error.param, "code": error.code.name.lower()}}
+    return status, {
+        "error": {
+            "message": error.message,
+            "type": OPENAI_TYPES.get(status, "server_error"),
+            "param": error.param,
+            "code": error.code.name.lower(),
+        }
+    }

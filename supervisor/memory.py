@@ -27,8 +27,15 @@ from dataclasses import dataclass
 import grpc
 import psutil
 
-from common.footprint import (Estimate, FootprintError, ModelFootprint, default_prompt_cache_bytes, estimate,
-                              expected_device, resolve_dtype)
+from common.footprint import (
+    Estimate,
+    FootprintError,
+    ModelFootprint,
+    default_prompt_cache_bytes,
+    estimate,
+    expected_device,
+    resolve_dtype,
+)
 from common.protocol import runner_pb2
 
 from .config import ModelConfig
@@ -169,8 +176,9 @@ def prompt_cache_budget(model: ModelConfig, needed: Estimate | None, available: 
     return max(0, min(budget, room))
 
 
-def batch_memory_budget(model: ModelConfig, needed: Estimate | None, prompt_cache: int,
-                        available: int | None = None) -> int | None:
+def batch_memory_budget(
+    model: ModelConfig, needed: Estimate | None, prompt_cache: int, available: int | None = None
+) -> int | None:
     """Bytes the runner's batched requests' caches may take, projected to their ends (``runner.batch_memory``).
 
     Set in the config: that. Otherwise the KV cache the estimate already counts (one request over the whole
@@ -204,7 +212,8 @@ def admit(model: ModelConfig, estimates: Estimates, available: int | None = None
         raise AdmissionRefused(
             f"model {model.name}: needs about {needed.total / 2**20:.0f} MiB ({dtype} weights "
             f"{needed.weights / 2**20:.0f} MiB, KV cache {needed.kv_cache / 2**20:.0f} MiB), only "
-            f"{available / 2**20:.0f} MiB available")
+            f"{available / 2**20:.0f} MiB available"
+        )
     return needed
 
 
@@ -256,8 +265,10 @@ class MemoryWatch:
         model = runner.model
         measured = sample.anonymous
         if model.hard_limit and measured > model.hard_limit:
-            message = (f"model {runner.name}: runner memory {measured / 2**20:.0f} MiB is over the hard limit "
-                       f"of {model.hard_limit / 2**20:.0f} MiB; the runner is restarting")
+            message = (
+                f"model {runner.name}: runner memory {measured / 2**20:.0f} MiB is over the hard limit "
+                f"of {model.hard_limit / 2**20:.0f} MiB; the runner is restarting"
+            )
             log.warning(message)
             memory.hard_restarts += 1
             memory.history.clear()
@@ -268,15 +279,24 @@ class MemoryWatch:
             memory.last_soft_release = now
             try:
                 # The prompt cache goes first: its buffers then leave with the pool.
-                released = runner.client.stub.ReleaseMemory(runner_pb2.ReleaseMemoryRequest(prompt_cache=True),
-                                                            timeout=5)
+                released = runner.client.stub.ReleaseMemory(
+                    runner_pb2.ReleaseMemoryRequest(prompt_cache=True), timeout=5
+                )
             except grpc.RpcError as error:
                 log.warning("model %s: ReleaseMemory failed: %s", runner.name, error.details())
                 return
             memory.soft_releases += 1
             memory.evicted_entries += released.evicted_entries
             after = sample_tree(runner.pid, 1, sample).anonymous if runner.pid else 0
-            log.info("model %s: over the soft limit (%.0f MiB > %.0f MiB): evicted %d prompt-cache entries "
-                     "(%.1f MiB), then released the pool (%d -> %d bytes); memory now %.0f MiB",
-                     runner.name, measured / 2**20, model.soft_limit / 2**20, released.evicted_entries,
-                     released.evicted_bytes / 2**20, released.cache_before, released.cache_after, after / 2**20)
+            log.info(
+                "model %s: over the soft limit (%.0f MiB > %.0f MiB): evicted %d prompt-cache entries "
+                "(%.1f MiB), then released the pool (%d -> %d bytes); memory now %.0f MiB",
+                runner.name,
+                measured / 2**20,
+                model.soft_limit / 2**20,
+                released.evicted_entries,
+                released.evicted_bytes / 2**20,
+                released.cache_before,
+                released.cache_after,
+                after / 2**20,
+            )

@@ -16,32 +16,57 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.rss = Gauge("mlxserve_runner_rss_bytes", "Runner process tree RSS", ["model"], registry=r)
-        self.anonymous = Gauge("mlxserve_runner_anonymous_bytes", "Runner RSS minus shared (mapped) memory",
-                               ["model"], registry=r)
+        self.anonymous = Gauge(
+            "mlxserve_runner_anonymous_bytes", "Runner RSS minus shared (mapped) memory", ["model"], registry=r
+        )
         self.mlx_cache = Gauge("mlxserve_runner_mlx_cache_bytes", "MLX buffer pool size", ["model"], registry=r)
         self.mlx_active = Gauge("mlxserve_runner_mlx_active_bytes", "MLX active memory", ["model"], registry=r)
-        self.releases = Gauge("mlxserve_runner_pool_releases", "Pool releases by the current runner process",
-                              ["model"], registry=r)
-        self.soft_releases = Gauge("mlxserve_soft_limit_releases", "ReleaseMemory calls by the memory policy",
-                                     ["model"], registry=r)
-        self.prompt_cache_entries = Gauge("mlxserve_prompt_cache_entries", "Entries in the runner's prompt cache",
-                                          ["model"], registry=r)
-        self.prompt_cache_bytes = Gauge("mlxserve_prompt_cache_bytes", "Bytes the runner's prompt cache holds",
-                                        ["model"], registry=r)
-        self.prompt_cache_hits = Gauge("mlxserve_prompt_cache_hits", "Requests that reused a cached prefix "
-                                       "(current runner process)", ["model"], registry=r)
-        self.prompt_cache_reused = Gauge("mlxserve_prompt_cache_reused_tokens", "Prompt tokens taken from the cache "
-                                         "instead of prefilled (current runner process)", ["model"], registry=r)
-        self.prompt_cache_evictions = Gauge("mlxserve_prompt_cache_evictions", "Prompt-cache entries evicted "
-                                            "(current runner process)", ["model"], registry=r)
-        self.restarts = Gauge("mlxserve_runner_restarts", "Runner restarts since the supervisor started",
-                              ["model"], registry=r)
+        self.releases = Gauge(
+            "mlxserve_runner_pool_releases", "Pool releases by the current runner process", ["model"], registry=r
+        )
+        self.soft_releases = Gauge(
+            "mlxserve_soft_limit_releases", "ReleaseMemory calls by the memory policy", ["model"], registry=r
+        )
+        self.prompt_cache_entries = Gauge(
+            "mlxserve_prompt_cache_entries", "Entries in the runner's prompt cache", ["model"], registry=r
+        )
+        self.prompt_cache_bytes = Gauge(
+            "mlxserve_prompt_cache_bytes", "Bytes the runner's prompt cache holds", ["model"], registry=r
+        )
+        self.prompt_cache_hits = Gauge(
+            "mlxserve_prompt_cache_hits",
+            "Requests that reused a cached prefix (current runner process)",
+            ["model"],
+            registry=r,
+        )
+        self.prompt_cache_reused = Gauge(
+            "mlxserve_prompt_cache_reused_tokens",
+            "Prompt tokens taken from the cache instead of prefilled (current runner process)",
+            ["model"],
+            registry=r,
+        )
+        self.prompt_cache_evictions = Gauge(
+            "mlxserve_prompt_cache_evictions",
+            "Prompt-cache entries evicted (current runner process)",
+            ["model"],
+            registry=r,
+        )
+        self.restarts = Gauge(
+            "mlxserve_runner_restarts", "Runner restarts since the supervisor started", ["model"], registry=r
+        )
         self.serving = Gauge("mlxserve_runner_serving", "1 while the model's runner serves", ["model"], registry=r)
         self.requests = Counter("mlxserve_requests", "Generate requests by final status", ["model", "code"], registry=r)
         self.tokens = Counter("mlxserve_generated_tokens", "Tokens generated", ["model"], registry=r)
-        self.acceptance = Gauge("mlxserve_acceptance_rate", "Draft acceptance of the last request", ["model"], registry=r)
-        self.ttft = Histogram("mlxserve_time_to_first_token_seconds", "Time to first token", ["model"], registry=r,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.acceptance = Gauge(
+            "mlxserve_acceptance_rate", "Draft acceptance of the last request", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            "mlxserve_time_to_first_token_seconds",
+            "Time to first token",
+            ["model"],
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

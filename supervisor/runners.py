@@ -243,14 +243,30 @@ class ManagedRunner:
             settings = replace(settings, prompt_cache=self.prompt_cache_budget)
         if self.batch_memory_budget is not None:
             settings = replace(settings, batch_memory=max(1, self.batch_memory_budget))
-        args = [sys.executable, "-m", "runner", "--listen", self.address, "--parent-pid", str(os.getpid()),
-                "--log-format", "json", *settings.to_argv()]
+        args = [
+            sys.executable,
+            "-m",
+            "runner",
+            "--listen",
+            self.address,
+            "--parent-pid",
+            str(os.getpid()),
+            "--log-format",
+            "json",
+            *settings.to_argv(),
+        ]
         self.stderr_tail.clear()
-        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, env=fast_blas_environment(),
-                                   start_new_session=True, text=True, errors="replace")
-        threading.Thread(target=self._forward_stderr, args=(process,), name=f"stderr-{self.name}",
-                         daemon=True).start()
+        process = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=fast_blas_environment(),
+            start_new_session=True,
+            text=True,
+            errors="replace",
+        )
+        threading.Thread(target=self._forward_stderr, args=(process,), name=f"stderr-{self.name}", daemon=True).start()
         return process
 
     def _forward_stderr(self, process: subprocess.Popen) -> None:

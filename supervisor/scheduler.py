@@ -48,8 +48,11 @@ class Scheduler:
 
     def runner(self, name: str) -> ManagedRunner:
         if name not in self.runners:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"no model named {name!r}; configured: {', '.join(sorted(self.runners))}", "model")
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"no model named {name!r}; configured: {', '.join(sorted(self.runners))}",
+                "model",
+            )
         return self.runners[name]
 
     def load(self, name: str, wait: bool = True, timeout: float | None = None) -> ManagedRunner:
@@ -63,8 +66,9 @@ class Scheduler:
                 except AdmissionRefused as error:
                     raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
                 runner.prompt_cache_budget = prompt_cache_budget(runner.model, needed, available)
-                runner.batch_memory_budget = batch_memory_budget(runner.model, needed, runner.prompt_cache_budget,
-                                                                 available)
+                runner.batch_memory_budget = batch_memory_budget(
+                    runner.model, needed, runner.prompt_cache_budget, available
+                )
                 runner.start()
         if wait:
             # No deadline (gRPC says ~2**63 s): as long as a runner may take to start.
@@ -86,8 +90,9 @@ class Scheduler:
             return
         idle = sorted((r for r in alive if r.in_flight == 0 and r.state == State.SERVING), key=lambda r: r.last_used)
         if not idle:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{len(alive)} runners are loaded (max_loaded) and none is idle")
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(alive)} runners are loaded (max_loaded) and none is idle"
+            )
         victim = idle[0]
         log.info("model %s: evicted (least recently used) to load %s", victim.name, incoming.name)
         victim.stop(f"evicted to load {incoming.name}")
@@ -112,8 +117,12 @@ class Scheduler:
             now = time.monotonic()
             for runner in self.runners.values():
                 keep_alive = runner.model.keep_alive
-                if (keep_alive and runner.state == State.SERVING and runner.in_flight == 0
-                        and now - runner.last_used > keep_alive):
+                if (
+                    keep_alive
+                    and runner.state == State.SERVING
+                    and runner.in_flight == 0
+                    and now - runner.last_used > keep_alive
+                ):
                     runner.stop(f"idle for {keep_alive:.0f} s (keep_alive)")
 
     def stop_all(self) -> None:

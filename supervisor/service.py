@@ -34,7 +34,7 @@ STATES = {s: getattr(supervisor_pb2, f"RUNNER_STATE_{s.name}") for s in State}
 class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
     """Handlers raise ServiceError; StatusInterceptor gives each its gRPC status."""
 
-    def __init__(self, supervisor: "Supervisor"):
+    def __init__(self, supervisor: Supervisor):
         self.sup = supervisor
 
     def Generate(self, request, context):
@@ -43,7 +43,9 @@ class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
         yield from generation
 
     def ListModels(self, request, context):
-        return supervisor_pb2.ListModelsResponse(models=[self.sup.status(r) for r in self.sup.scheduler.runners.values()])
+        return supervisor_pb2.ListModelsResponse(
+            models=[self.sup.status(r) for r in self.sup.scheduler.runners.values()]
+        )
 
     def LoadModel(self, request, context):
         return self.sup.status(self.sup.scheduler.load(request.model, wait=True, timeout=context.time_remaining()))
@@ -59,14 +61,22 @@ class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
             selected = list(runners.values())
         vm = psutil.virtual_memory()
         return supervisor_pb2.GetMemoryResponse(
-            models=[self.sup.status(r) for r in selected], system_available=vm.available, system_total=vm.total,
-            supervisor_rss=psutil.Process().memory_info().rss)
+            models=[self.sup.status(r) for r in selected],
+            system_available=vm.available,
+            system_total=vm.total,
+            supervisor_rss=psutil.Process().memory_info().rss,
+        )
 
     def GetStatus(self, request, context):
         sup = self.sup
         return supervisor_pb2.GetStatusResponse(
-            version=__version__, pid=os.getpid(), uptime_s=time.monotonic() - sup.started, ready=sup.scheduler.ready,
-            models=[sup.status(r) for r in sup.scheduler.runners.values()], max_loaded=sup.config.loaded_cap)
+            version=__version__,
+            pid=os.getpid(),
+            uptime_s=time.monotonic() - sup.started,
+            ready=sup.scheduler.ready,
+            models=[sup.status(r) for r in sup.scheduler.runners.values()],
+            max_loaded=sup.config.loaded_cap,
+        )
 
 
 class BearerToken(grpc.ServerInterceptor):
@@ -104,9 +114,12 @@ class Supervisor:
         interceptors = ([BearerToken(config.auth_token)] if config.auth_token else []) + [StatusInterceptor()]
         # A handler thread per stream in flight: every model's batch and queue, and room for the rest.
         streams = min(2048, sum(m.runner.max_batch + m.runner.max_queue for m in config.models.values()))
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=streams + 32, thread_name_prefix="public"),
-                                  options=CHANNEL_OPTIONS, interceptors=interceptors,
-                                  maximum_concurrent_rpcs=streams + 64)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=streams + 32, thread_name_prefix="public"),
+            options=CHANNEL_OPTIONS,
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=streams + 64,
+        )
         supervisor_pb2_grpc.add_SupervisorServicer_to_server(SupervisorService(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
@@ -125,8 +138,14 @@ class Supervisor:
         if config.http_listen:
             from .http_api import HttpServer, create_app
 
-            self.http = HttpServer(create_app(self), config.http_listen, config.tls_cert, config.tls_key,
-                                   grace=config.drain_grace + config.kill_timeout, threads=streams + 32)
+            self.http = HttpServer(
+                create_app(self),
+                config.http_listen,
+                config.tls_cert,
+                config.tls_key,
+                grace=config.drain_grace + config.kill_timeout,
+                threads=streams + 32,
+            )
         self._stopped = threading.Event()
 
     def generate(self, request, timeout: float | None) -> Generation:
@@ -137,12 +156,18 @@ class Supervisor:
 
     def _on_runner_change(self, runner: ManagedRunner) -> None:
         serving = runner.state == State.SERVING
-        self.health.set(runner.name, health_pb2.HealthCheckResponse.SERVING if serving
-                        else health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.health.set(
+            runner.name,
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
         self.metrics.serving.labels(runner.name).set(1 if serving else 0)
         self.metrics.restarts.labels(runner.name).set(runner.restarts)
         if not self._stopped.is_set():
-            overall = health_pb2.HealthCheckResponse.SERVING if self.scheduler.ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            overall = (
+                health_pb2.HealthCheckResponse.SERVING
+                if self.scheduler.ready
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             for name in ("", SERVICE_NAME):
                 self.health.set(name, overall)
 
@@ -176,16 +201,37 @@ class Supervisor:
         memory = self.memory.memory[runner.name]
         current = memory.current
         sample = supervisor_pb2.MemorySample(
-            peak_rss=memory.peak_rss, growth_bytes_per_s=memory.growth_rate, mlx_active=memory.mlx.active,
-            mlx_cache=memory.mlx.cache, mlx_peak=memory.mlx.peak, mlx_releases=memory.mlx.releases,
-            soft_limit=runner.model.soft_limit, hard_limit=runner.model.hard_limit, history_samples=len(memory.history),
-            estimate=self._estimate(runner), prompt_cache=memory.mlx.prompt_cache if runner.pid else None)
+            peak_rss=memory.peak_rss,
+            growth_bytes_per_s=memory.growth_rate,
+            mlx_active=memory.mlx.active,
+            mlx_cache=memory.mlx.cache,
+            mlx_peak=memory.mlx.peak,
+            mlx_releases=memory.mlx.releases,
+            soft_limit=runner.model.soft_limit,
+            hard_limit=runner.model.hard_limit,
+            history_samples=len(memory.history),
+            estimate=self._estimate(runner),
+            prompt_cache=memory.mlx.prompt_cache if runner.pid else None,
+        )
         if current is not None and runner.pid:
-            sample.rss, sample.anonymous, sample.pss, sample.uss = current.rss, current.anonymous, current.pss, current.uss
+            sample.rss, sample.anonymous, sample.pss, sample.uss = (
+                current.rss,
+                current.anonymous,
+                current.pss,
+                current.uss,
+            )
         return supervisor_pb2.ModelStatus(
-            name=runner.name, state=STATES[runner.state], reason=runner.reason, pid=runner.pid,
-            restarts=runner.restarts, last_used_s_ago=time.monotonic() - runner.last_used, memory=sample,
-            target=str(runner.model.target), draft=str(runner.model.draft or ""), in_flight=runner.in_flight)
+            name=runner.name,
+            state=STATES[runner.state],
+            reason=runner.reason,
+            pid=runner.pid,
+            restarts=runner.restarts,
+            last_used_s_ago=time.monotonic() - runner.last_used,
+            memory=sample,
+            target=str(runner.model.target),
+            draft=str(runner.model.draft or ""),
+            in_flight=runner.in_flight,
+        )
 
     # -- life cycle -------------------------------------------------------------
 
@@ -197,9 +243,14 @@ class Supervisor:
             self.probes.start()
         self.memory.start()
         self.scheduler.start()
-        log.info("supervisor %d listening on %s (OpenAI HTTP API on %s, probes on %s), models: %s", os.getpid(),
-                 self.config.listen, self.config.http_listen or "off", self.probes.port if self.probes else "off",
-                 ", ".join(self.config.models))
+        log.info(
+            "supervisor %d listening on %s (OpenAI HTTP API on %s, probes on %s), models: %s",
+            os.getpid(),
+            self.config.listen,
+            self.config.http_listen or "off",
+            self.probes.port if self.probes else "off",
+            ", ".join(self.config.models),
+        )
 
     def shutdown(self) -> None:
         """Stop accepting, drain in-flight work, stop every runner, reap them all, remove the sockets."""

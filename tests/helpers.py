@@ -56,10 +56,22 @@ def tiny_hybrid_model(folder, seed: int = 0):
     from mlx_lm.models import lfm2
 
     config = {
-        "model_type": "lfm2", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048, "norm_eps": 1e-5,
-        "conv_bias": False, "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 128, "block_multiple_of": 32,
-        "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False, "full_attn_idxs": [1, 3],
+        "model_type": "lfm2",
+        "vocab_size": 4096,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 32,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "full_attn_idxs": [1, 3],
         "tie_word_embeddings": True,
     }
     mx.random.seed(seed)
@@ -78,10 +90,22 @@ def tiny_cache_list_model(folder, seed: int = 0):
     from mlx_lm.models import falcon_h1
 
     config = {
-        "model_type": "falcon_h1", "vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-        "mamba_d_ssm": 64, "mamba_n_heads": 2, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_chunk_size": 16,
-        "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "model_type": "falcon_h1",
+        "vocab_size": 4096,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "mamba_d_ssm": 64,
+        "mamba_n_heads": 2,
+        "mamba_d_head": 32,
+        "mamba_d_state": 16,
+        "mamba_chunk_size": 16,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
     }
     mx.random.seed(seed)
     model = falcon_h1.Model(falcon_h1.ModelArgs.from_dict(config))
@@ -96,9 +120,17 @@ def tiny_sliding_window_model(folder, seed: int = 0):
     from mlx_lm.models import llama
 
     config = {
-        "model_type": "llama", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 2048, "tie_word_embeddings": True, "sliding_window": 64,
+        "model_type": "llama",
+        "vocab_size": 4096,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        "sliding_window": 64,
         "layer_types": ["sliding_attention", "full_attention"],
     }
     mx.random.seed(seed)
@@ -123,8 +155,14 @@ def quantize_q4_k(values):
         step = (d.astype(np.float32)[:, None] * sc)[..., None]
         levels = np.nan_to_num((sub + (dmin.astype(np.float32)[:, None] * mn)[..., None]) / step)
     levels = np.clip(np.rint(levels), 0, 15).astype(np.uint8)
-    packed = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
-                             (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=-1)
+    packed = np.concatenate(
+        [
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+            mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4),
+        ],
+        axis=-1,
+    )
     runs = levels.reshape(-1, 4, 2, 32)
     qs = (runs[:, :, 0, :] | (runs[:, :, 1, :] << 4)).reshape(-1, 128)
     blocks = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed, qs], axis=-1)
@@ -207,13 +245,15 @@ def differences_from_llama_cpp(source, folder) -> dict:
         got = mx.dequantize(weights[f"{base}.weight"], scales, weights[f"{base}.biases"], group_size=32, bits=bits)
         difference = np.abs(np.array(got.astype(mx.float32)) - expected)
         level = np.repeat(np.abs(np.array(scales.astype(mx.float32))), 32, axis=-1)
-        found[tensor.name] = (tensor.tensor_type.name, float(difference.max()),
-                              float((difference / np.maximum(level, 1e-30)).max()))
+        found[tensor.name] = (
+            tensor.tensor_type.name,
+            float(difference.max()),
+            float((difference / np.maximum(level, 1e-30)).max()),
+        )
     return found
 
 
-def tiny_gguf(destination, vocabulary, architecture: str = "llama", *, chat_template: str | None = None,
-              seed: int = 0):
+def tiny_gguf(destination, vocabulary, architecture: str = "llama", *, chat_template: str | None = None, seed: int = 0):
     """A GGUF of a random mlx-lm model of ``architecture`` (2 layers, hidden 64; Q8_0 projections, F16 the
     embedding) written as llama.cpp writes one (``gguf_like_llama_cpp``), with the vocabulary, special tokens,
     flags and chat template of the vocabulary-only GGUF ``vocabulary`` (llama.cpp's ``ggml-vocab-*.gguf``), as a
@@ -224,10 +264,19 @@ def tiny_gguf(destination, vocabulary, architecture: str = "llama", *, chat_temp
     import mlx.core as mx
 
     reader = gguf.GGUFReader(str(vocabulary))
-    config = {"model_type": architecture, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-              "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data), "max_position_embeddings": 512,
-              "rope_theta": 10000.0, "tie_word_embeddings": True}
+    config = {
+        "model_type": architecture,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
     module = importlib.import_module(f"mlx_lm.models.{architecture}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
@@ -248,8 +297,9 @@ def redrawn(parameters):
     return tree_map_with_path(draw, parameters)
 
 
-def gguf_like_llama_cpp(model, config: dict, vocabulary, destination, *, chat_template: str | None = None,
-                        quantized: bool = False):
+def gguf_like_llama_cpp(
+    model, config: dict, vocabulary, destination, *, chat_template: str | None = None, quantized: bool = False
+):
     """``model`` (an mlx-lm model, Hugging Face's layout) written to GGUF as llama.cpp's ``convert_hf_to_gguf.py``
     writes it: tensor names from ``gguf``'s own name map, llama's Q/K rows permuted for llama.cpp's RoPE
     (``LlamaModel.permute``), the architecture's hyperparameters under its keys, and the tokenizer (and chat
@@ -287,8 +337,11 @@ def gguf_like_llama_cpp(model, config: dict, vocabulary, destination, *, chat_te
     writer.add_vocab_size(config["vocab_size"])
 
     def permute(weights, n_head):  # convert_hf_to_gguf.py's LlamaModel.permute
-        return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-                .swapaxes(1, 2).reshape(weights.shape))
+        return (
+            weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape)
+        )
 
     mx.eval(model.parameters())
     for name, array in tree_flatten(model.parameters()):
@@ -299,8 +352,9 @@ def gguf_like_llama_cpp(model, config: dict, vocabulary, destination, *, chat_te
             data = permute(data, kv_heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if quantized and name.endswith("_proj.weight"):
-            writer.add_tensor(gguf_name, quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(
+                gguf_name, quantize(data, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0
+            )
         elif quantized and name.endswith("embed_tokens.weight"):
             writer.add_tensor(gguf_name, data.astype(np.float16))
         else:

@@ -36,8 +36,13 @@ def terminate(process: subprocess.Popen, timeout: float) -> int:
 
 def serve_expecting_refusal(config: Path) -> subprocess.CompletedProcess:
     """``python -m supervisor serve`` on a config it should refuse; returns once it has exited."""
-    return subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config", str(config)],
-                          capture_output=True, text=True, timeout=60, env=child_environment())
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_environment(),
+    )
 
 
 class RunnerProcess:
@@ -58,7 +63,7 @@ class RunnerProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def wait_serving(self, timeout: float = 60) -> "RunnerProcess":
+    def wait_serving(self, timeout: float = 60) -> RunnerProcess:
         if not self.client.wait_serving(timeout, alive=self.alive):
             raise AssertionError(f"runner did not become SERVING (exit {self.process.poll()}):\n{self.stderr}")
         return self
@@ -97,21 +102,32 @@ class SupervisorProcess:
         folder.mkdir(parents=True, exist_ok=True)
         self.port, self.probe_port, self.http_port = free_port(), free_port(), free_port()
         self.runtime_dir = folder / "run"
-        top = {"listen": f"127.0.0.1:{self.port}", "probe_port": self.probe_port,
-               "http_listen": f"127.0.0.1:{self.http_port}",
-               "runtime_dir": str(self.runtime_dir), "health_period": "0.5s", "restart_backoff": "0.3s",
-               "memory_period": "0.3s", **settings}
-        lines = [f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
-                 for k, v in top.items()]
+        top = {
+            "listen": f"127.0.0.1:{self.port}",
+            "probe_port": self.probe_port,
+            "http_listen": f"127.0.0.1:{self.http_port}",
+            "runtime_dir": str(self.runtime_dir),
+            "health_period": "0.5s",
+            "restart_backoff": "0.3s",
+            "memory_period": "0.3s",
+            **settings,
+        }
+        lines = [
+            f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
+            for k, v in top.items()
+        ]
         self.config = folder / "supervisor.toml"
         self.config.write_text("\n".join(lines) + "\n" + models_toml.replace("'", '"'))
         self.stderr_path = folder / f"supervisor-{time.monotonic_ns()}.stderr"
         command = ["-m", "supervisor", "serve", "--config", str(self.config)]
         if not collector:
-            command[:2] = ["-c", "import gc, runpy; gc.disable(); "
-                                 "runpy.run_module('supervisor', run_name='__main__', alter_sys=True)"]
-        self.process = subprocess.Popen([sys.executable, *command], stderr=open(self.stderr_path, "w"),
-                                        env=child_environment())
+            command[:2] = [
+                "-c",
+                "import gc, runpy; gc.disable(); runpy.run_module('supervisor', run_name='__main__', alter_sys=True)",
+            ]
+        self.process = subprocess.Popen(
+            [sys.executable, *command], stderr=open(self.stderr_path, "w"), env=child_environment()
+        )
         self.token = settings.get("auth_token", "")
         self.client = SupervisorClient(f"127.0.0.1:{self.port}", token=self.token)
 
@@ -127,10 +143,15 @@ class SupervisorProcess:
         """The official OpenAI client, pointed at this supervisor's HTTP API."""
         from openai import OpenAI
 
-        return OpenAI(base_url=self.base_url, api_key=self.token or "none" if api_key is None else api_key,
-                      max_retries=0, timeout=300, **options)
+        return OpenAI(
+            base_url=self.base_url,
+            api_key=self.token or "none" if api_key is None else api_key,
+            max_retries=0,
+            timeout=300,
+            **options,
+        )
 
-    def wait_ready(self, timeout: float = 90) -> "SupervisorProcess":
+    def wait_ready(self, timeout: float = 90) -> SupervisorProcess:
         if not self.client.wait_serving(timeout):
             raise AssertionError(f"supervisor not ready (exit {self.process.poll()}):\n{self.stderr[-3000:]}")
         return self

@@ -32,8 +32,19 @@ def main() -> int:
     output = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / "docs" / "reliability.md"
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              "tests/test_reliability.py", f"--junitxml={junit}"], cwd=REPO)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "tests/test_reliability.py",
+                f"--junitxml={junit}",
+            ],
+            cwd=REPO,
+        )
         tree = ET.parse(junit)
     rows = []
     for case in tree.iter("testcase"):

@@ -14,8 +14,8 @@ import time
 import mlx.core as mx
 import pytest
 
-from common.requests import FinishReason
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from common.requests import FinishReason
 from common.settings import CACHE_LIMIT_UNBOUNDED, RunnerSettings
 from runner.batch import Batch
 from runner.engine import Engine
@@ -95,9 +95,11 @@ def test_stop_strings_and_sampling_stay_per_request(worker, batch_engine):
     stop = text[len(text) // 2 : len(text) // 2 + 10]
     seeded = dict(prompt=PROMPTS[1], max_tokens=80, temperature=0.9, top_p=0.95, seed=42)
     sampled_alone = alone(batch_engine, **seeded)[0]
-    jobs = [submit(worker, batch_engine, prompt=PROMPTS[0], max_tokens=120, stop=(stop,)),
-            submit(worker, batch_engine, **seeded),
-            submit(worker, batch_engine, prompt=PROMPTS[2], max_tokens=100)]
+    jobs = [
+        submit(worker, batch_engine, prompt=PROMPTS[0], max_tokens=120, stop=(stop,)),
+        submit(worker, batch_engine, **seeded),
+        submit(worker, batch_engine, prompt=PROMPTS[2], max_tokens=100),
+    ]
     stopped, sampled, other = (results(job) for job in jobs)
     assert stopped[2].finish_reason == FinishReason.STOP and stopped[1] == text[: text.index(stop)]
     # A seeded request draws one key per token, alone or batched: the same samples.
@@ -142,7 +144,7 @@ def test_a_newcomer_joins_a_running_solo_request(worker, batch_engine):
     rest, _, last = results(first)
     tokens = expected[0][: len(expected[0]) - len(rest)] + rest  # what the first 21 rounds streamed
     assert results(second)[0] == expected[1]
-    assert rest == expected[0][len(expected[0]) - len(rest):] and len(tokens) == 300
+    assert rest == expected[0][len(expected[0]) - len(rest) :] and len(tokens) == 300
     assert last.stats.drafted > 0, last.stats  # alone it speculated
     assert last.stats.depths.get(0, 0) > 0, last.stats  # then it decoded in the batch
 
@@ -156,20 +158,22 @@ def test_a_request_ended_in_a_batch_feeds_the_prompt_cache_exactly():
     try:
         stored = stores_of(engine.prompt_cache)
         prompt = engine.tokenizer.encode(PROMPTS[0])
-        jobs = [worker.submit(engine.prepare(GenerationRequest(prompt_ids=tuple(prompt), max_tokens=40,
-                                                                ignore_eos=True)))]
+        jobs = [
+            worker.submit(engine.prepare(GenerationRequest(prompt_ids=tuple(prompt), max_tokens=40, ignore_eos=True)))
+        ]
         jobs += [submit(worker, engine, prompt=p, max_tokens=120) for p in PROMPTS[1:3]]
         first, _, last = results(jobs[0])
         for job in jobs[1:]:
             results(job)
         assert last.stats.depths.get(0, 0) >= 20  # it decoded in the batch
-        (tokens, offsets), = stored  # the one request that keeps its prompt (the others did not ask)
+        ((tokens, offsets),) = stored  # the one request that keeps its prompt (the others did not ask)
         assert engine.prompt_cache.entries == 1
         assert tokens == prompt + first[:-1]  # all but the last token, which no forward pass has fed
         assert offsets == [len(tokens)] * len(offsets)  # its caches hold exactly those tokens
         follow_up = tuple(prompt + first + engine.tokenizer.encode(" The else clause"))
-        warm = collect(engine.generate(GenerationRequest(prompt_ids=follow_up, max_tokens=60, ignore_eos=True,
-                                                         drafter="none")))
+        warm = collect(
+            engine.generate(GenerationRequest(prompt_ids=follow_up, max_tokens=60, ignore_eos=True, drafter="none"))
+        )
         assert warm[2].stats.cached_tokens == len(prompt) + len(first) - 1  # the whole entry
         cold = alone(engine, prompt_ids=follow_up, max_tokens=60, drafter="none")
         assert cold[2].stats.cached_tokens == 0 and warm[0] == cold[0]
@@ -199,16 +203,19 @@ def test_requests_that_end_at_the_same_step_leave_the_batch_together(monkeypatch
         monkeypatch.setattr(Batch, "leave", counted_leave)
         hold = threading.Event()
         worker.call(hold.wait)  # admitted at one turn: prefilled together, so the two short ones end together
-        jobs = [worker.submit(engine.prepare(GenerationRequest(prompt_ids=p, max_tokens=n, ignore_eos=True,
-                                                                cache_prompt=keep)))
-                for p, n, keep in ((prompts[0], 40, True), (prompts[1], 40, False), (prompts[2], 100, False))]
+        jobs = [
+            worker.submit(
+                engine.prepare(GenerationRequest(prompt_ids=p, max_tokens=n, ignore_eos=True, cache_prompt=keep))
+            )
+            for p, n, keep in ((prompts[0], 40, True), (prompts[1], 40, False), (prompts[2], 100, False))
+        ]
         hold.set()
         got = [results(job) for job in jobs]
         assert all(g[2].stats.depths.get(0, 0) >= 30 for g in got)  # all three decoded in the batch
         # The two together, in one copy, then the last one to go on alone.
         assert [sorted(rows) for rows in leaving] == [sorted(prompts[:2]), [prompts[2]]]
         assert got[2][0] == expected
-        (tokens, offsets), = stored  # the one that asked; the other did not
+        ((tokens, offsets),) = stored  # the one that asked; the other did not
         assert tokens == list(prompts[0]) + got[0][0][:-1]
         assert offsets == [len(tokens)] * len(offsets)
         assert engine.prompt_cache.entries == 1
@@ -267,8 +274,13 @@ def test_short_prompts_that_wait_together_share_a_prefill_pass():
     try:
         first = results(submit(worker, engine, prompt=PROMPTS[0], max_tokens=30, cache_prompt=True))
         turn = PROMPTS[0] + first[1]
-        prompts = [turn + " The break statement", turn + " Note that a for loop ends when the sequence is exhausted",
-                   PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+        prompts = [
+            turn + " The break statement",
+            turn + " Note that a for loop ends when the sequence is exhausted",
+            PROMPTS[1],
+            PROMPTS[2],
+            PROMPTS[3],
+        ]
         expected = [alone(engine, prompt=p, max_tokens=40, drafter="none")[0] for p in prompts]
         hold, joint = threading.Event(), worker.joint_prefills
         worker.call(hold.wait)  # the MLX thread waits while every request is queued: one turn admits them all
@@ -288,8 +300,9 @@ def test_requests_wait_while_their_caches_would_not_fit_next_to_the_others(batch
     """A batch-memory budget of two rows' projected caches: of four requests, two decode at a time, the others
     wait in the queue (not refused), and every one gives the tokens it gives alone."""
     cost = batch_engine.cache_cost
-    engine = Engine(batch_engine.target, batch_engine.draft, RunnerSettings(
-        prompt_cache=0, batch_memory=cost.batch([256, 256])))
+    engine = Engine(
+        batch_engine.target, batch_engine.draft, RunnerSettings(prompt_cache=0, batch_memory=cost.batch([256, 256]))
+    )
     worker = MlxWorker(engine, max_queue=8, max_batch=8)
     worker.start()
     most, done = 0, threading.Event()
@@ -321,14 +334,17 @@ def test_the_pool_stays_bounded_over_a_long_batched_generation(restore_cache_lim
     every buffer the batched cache outgrew (four rows of 1200 tokens: four growths of 256 positions)."""
     peaks = {}
     for release in (True, False):
-        engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(
-            prompt_cache=0, cache_limit=CACHE_LIMIT_UNBOUNDED, release_enabled=release))
+        engine = Engine.load(
+            DEFAULT_TARGET,
+            DEFAULT_DRAFT,
+            RunnerSettings(prompt_cache=0, cache_limit=CACHE_LIMIT_UNBOUNDED, release_enabled=release),
+        )
         worker = MlxWorker(engine, max_queue=8, max_batch=4)
         worker.start()
         mx.clear_cache()
         peak, done = 0, threading.Event()
 
-        def watch():
+        def watch(done=done):
             nonlocal peak
             while not done.is_set():
                 peak = max(peak, mx.get_cache_memory())

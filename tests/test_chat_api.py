@@ -31,12 +31,15 @@ PROMPT = "The for statement is used to iterate over the elements of a sequence"
 
 @pytest.fixture(scope="module")
 def sup(tmp_path_factory):
-    models = (model_toml("smol", target=SMOLLM2_DIR, draft=None)
-              + model_toml("pair")
-              + model_toml("busy", max_queue=0, max_batch=1))
+    models = (
+        model_toml("smol", target=SMOLLM2_DIR, draft=None)
+        + model_toml("pair")
+        + model_toml("busy", max_queue=0, max_batch=1)
+    )
     # With the cyclic collector off, a stream whose runner call were released only when collected stays held.
-    sup = SupervisorProcess(tmp_path_factory.mktemp("chat"), models, collector=False, auth_token=TOKEN,
-                            log_format="json").wait_ready(180)
+    sup = SupervisorProcess(
+        tmp_path_factory.mktemp("chat"), models, collector=False, auth_token=TOKEN, log_format="json"
+    ).wait_ready(180)
     yield sup
     assert sup.stop() == 0
 
@@ -89,7 +92,9 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(sup):
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as caught:
         list(sup.client.generate(timeout=60, model="pair", prompt=prompt, max_tokens=4))
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot fit the context" in caught.value.details()
+    assert (
+        caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot fit the context" in caught.value.details()
+    )
     assert time.monotonic() - started < 3.0
 
 
@@ -110,8 +115,16 @@ def test_chat_completion_answers_with_usage_and_speculation_figures(client):
 
 def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(client):
     whole = client.chat.completions.create(model="smol", messages=CAPITAL, temperature=0, max_tokens=40)
-    events = list(client.chat.completions.create(model="smol", messages=CAPITAL, temperature=0, max_tokens=40,
-                                                 stream=True, stream_options={"include_usage": True}))
+    events = list(
+        client.chat.completions.create(
+            model="smol",
+            messages=CAPITAL,
+            temperature=0,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert events[0].choices[0].delta.role == "assistant"
     text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
     assert text == whole.choices[0].message.content
@@ -127,15 +140,20 @@ def test_completion_max_tokens_gives_length_and_stop_cuts_the_text(client):
     assert plain.model_extra["x_mlxserve"]["drafted"] > 0  # the pair speculates
     stop = choice.text[10:16]
     stopped = client.completions.create(model="pair", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop, "\x00"])
-    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == choice.text[: choice.text.index(stop)]
+    assert (
+        stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == choice.text[: choice.text.index(stop)]
+    )
     streamed = client.completions.create(model="pair", prompt=PROMPT, max_tokens=30, temperature=0, stream=True)
     assert "".join(e.choices[0].text for e in streamed if e.choices) == choice.text
 
 
 def test_seed_makes_sampling_reproducible(client):
     def sample(seed):
-        return client.completions.create(model="pair", prompt=PROMPT, max_tokens=40, temperature=1.0,
-                                         seed=seed).choices[0].text
+        return (
+            client.completions.create(model="pair", prompt=PROMPT, max_tokens=40, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
 
     first, again = sample(7), sample(7)
     assert first == again
@@ -151,12 +169,15 @@ def test_logprobs_come_from_the_target_with_speculation_on(client):
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert value <= 0 and len(top) == 3
         assert max(top.values()) == pytest.approx(value, abs=1e-4)  # greedy picks the most likely token
-    chat = client.chat.completions.create(model="smol", messages=CAPITAL, temperature=0, max_tokens=12,
-                                          logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model="smol", messages=CAPITAL, temperature=0, max_tokens=12, logprobs=True, top_logprobs=2
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
-    assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
-               for entry in content)
+    assert all(
+        len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        for entry in content
+    )
 
 
 def test_a_repeated_conversation_comes_from_the_prompt_cache(sup, client):
@@ -165,8 +186,10 @@ def test_a_repeated_conversation_comes_from_the_prompt_cache(sup, client):
     second = client.chat.completions.create(model="smol", messages=messages, temperature=0, max_tokens=30)
     assert second.choices[0].message.content == first.choices[0].message.content
     assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
-    assert second.model_extra["x_mlxserve"]["time_to_first_token_s"] < first.model_extra["x_mlxserve"][
-        "time_to_first_token_s"]
+    assert (
+        second.model_extra["x_mlxserve"]["time_to_first_token_s"]
+        < first.model_extra["x_mlxserve"]["time_to_first_token_s"]
+    )
     cache = sup.client.model("smol").memory.prompt_cache
     assert wait_until(lambda: sup.client.model("smol").memory.prompt_cache.hits >= 1, 5)
     assert cache.entries >= 1 and 0 < cache.bytes <= cache.budget
@@ -203,8 +226,9 @@ def test_errors_arrive_as_the_sdks_exceptions_in_openais_shape(sup, client):
 
 def test_a_full_queue_is_429(client):
     # "busy" lets nobody wait: while one generation runs, the next request is refused at once.
-    running = client.completions.create(model="busy", prompt=PROMPT, max_tokens=3000, temperature=0,
-                                        stream=True, extra_body={"ignore_eos": True})
+    running = client.completions.create(
+        model="busy", prompt=PROMPT, max_tokens=3000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(running))
     try:
         with pytest.raises(openai.RateLimitError) as caught:
@@ -219,8 +243,9 @@ def test_a_full_queue_is_429(client):
 
 def test_sse_framing(sup):
     body = {"model": "pair", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{sup.base_url}/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+    with httpx.stream(
+        "POST", f"{sup.base_url}/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {TOKEN}"}
+    ) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         raw = "".join(response.iter_text())
     events = raw.split("\n\n")
@@ -232,16 +257,24 @@ def test_sse_framing(sup):
         assert chunks[-1]["object"] == "text_completion"
     # The answer came before [DONE]: its text, then one finish_reason, on the last chunk.
     assert chunks, "a stream of nothing but [DONE]"
-    whole = httpx.post(f"{sup.base_url}/completions", json={**body, "stream": False}, timeout=60,
-                       headers={"Authorization": f"Bearer {TOKEN}"}).json()["choices"][0]
+    whole = httpx.post(
+        f"{sup.base_url}/completions",
+        json={**body, "stream": False},
+        timeout=60,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    ).json()["choices"][0]
     assert whole["finish_reason"] == "length" and whole["text"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
 
 
 def test_error_shape_over_raw_http(sup):
-    response = httpx.post(f"{sup.base_url}/chat/completions", content=b"{not json", timeout=10,
-                          headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    response = httpx.post(
+        f"{sup.base_url}/chat/completions",
+        content=b"{not json",
+        timeout=10,
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_argument"
@@ -250,10 +283,10 @@ def test_error_shape_over_raw_http(sup):
 
 
 def test_a_client_that_disconnects_frees_the_runner(sup):
-    body = {"model": "pair", "prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    with httpx.stream("POST", f"{sup.base_url}/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+    body = {"model": "pair", "prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream(
+        "POST", f"{sup.base_url}/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {TOKEN}"}
+    ) as response:
         lines = response.iter_lines()
         for _ in range(5):
             next(lines)
@@ -270,10 +303,27 @@ def test_a_client_that_disconnects_frees_the_runner(sup):
 
 def test_terminal_chat_keeps_the_conversation_and_stops_an_answer_on_ctrl_c(sup):
     process = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "chat", "--model", "smol", "--address", f"127.0.0.1:{sup.port}",
-         "--token", TOKEN, "--max-tokens", "400"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-        env=child_environment())
+        [
+            sys.executable,
+            "-m",
+            "supervisor",
+            "chat",
+            "--model",
+            "smol",
+            "--address",
+            f"127.0.0.1:{sup.port}",
+            "--token",
+            TOKEN,
+            "--max-tokens",
+            "400",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env=child_environment(),
+    )
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(iter(lambda: process.stdout.read(1), "")), daemon=True)
     reader.start()
@@ -305,9 +355,25 @@ def test_terminal_chat_keeps_the_conversation_and_stops_an_answer_on_ctrl_c(sup)
 
 
 def test_terminal_chat_leaves_on_end_of_input(sup):
-    done = subprocess.run([sys.executable, "-m", "supervisor", "chat", "--model", "smol", "--address",
-                           f"127.0.0.1:{sup.port}", "--token", TOKEN], input="", capture_output=True, text=True,
-                          timeout=60, env=child_environment())
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "supervisor",
+            "chat",
+            "--model",
+            "smol",
+            "--address",
+            f"127.0.0.1:{sup.port}",
+            "--token",
+            TOKEN,
+        ],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_environment(),
+    )
     assert done.returncode == 0 and "chatting with smol" in done.stdout
 
 
@@ -315,23 +381,44 @@ def test_terminal_chat_leaves_on_end_of_input(sup):
 
 
 def raw_post(sup, path: str, content: bytes) -> httpx.Response:
-    return httpx.post(f"{sup.base_url}/{path}", content=content, timeout=60,
-                      headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    return httpx.post(
+        f"{sup.base_url}/{path}",
+        content=content,
+        timeout=60,
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
 
 
-@pytest.mark.parametrize("path, body, param, words", [
-    # A number past what the message's field holds (it was a bare 500).
-    ("completions", {"model": "pair", "prompt": "x", "max_tokens": 10**12}, "max_tokens", "must lie in [1, 2147483647]"),
-    ("completions", {"model": "pair", "prompt": "x", "top_k": 10**12}, "top_k", "must lie in [0, 2147483647]"),
-    ("completions", {"model": "pair", "prompt": [2**40]}, "prompt_ids", "token ids must lie in [0, 2147483647]"),
-    ("completions", {"model": "pair", "prompt": "x", "seed": -1}, "seed", "must lie in [0, 2**63)"),
-    ("completions", {"model": "pair", "prompt": "x", "max_tokens": 0}, "max_tokens", "must lie in [1, "),
-    ("chat/completions", {"model": "smol", "messages": CAPITAL, "top_p": 1.5}, "top_p", "must lie in (0, 1]"),
-    ("chat/completions", {"model": "smol", "messages": CAPITAL, "top_logprobs": 3}, "top_logprobs", "needs logprobs"),
-    ("chat/completions", {"model": "smol", "messages": [{"role": "wizard", "content": "hi"}]}, "messages",
-     "role 'wizard' is not one of"),
-    ("chat/completions", {"model": "smol", "messages": CAPITAL, "drafter": "oracle"}, "drafter", "must be one of"),
-])
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        # A number past what the message's field holds (it was a bare 500).
+        (
+            "completions",
+            {"model": "pair", "prompt": "x", "max_tokens": 10**12},
+            "max_tokens",
+            "must lie in [1, 2147483647]",
+        ),
+        ("completions", {"model": "pair", "prompt": "x", "top_k": 10**12}, "top_k", "must lie in [0, 2147483647]"),
+        ("completions", {"model": "pair", "prompt": [2**40]}, "prompt_ids", "token ids must lie in [0, 2147483647]"),
+        ("completions", {"model": "pair", "prompt": "x", "seed": -1}, "seed", "must lie in [0, 2**63)"),
+        ("completions", {"model": "pair", "prompt": "x", "max_tokens": 0}, "max_tokens", "must lie in [1, "),
+        ("chat/completions", {"model": "smol", "messages": CAPITAL, "top_p": 1.5}, "top_p", "must lie in (0, 1]"),
+        (
+            "chat/completions",
+            {"model": "smol", "messages": CAPITAL, "top_logprobs": 3},
+            "top_logprobs",
+            "needs logprobs",
+        ),
+        (
+            "chat/completions",
+            {"model": "smol", "messages": [{"role": "wizard", "content": "hi"}]},
+            "messages",
+            "role 'wizard' is not one of",
+        ),
+        ("chat/completions", {"model": "smol", "messages": CAPITAL, "drafter": "oracle"}, "drafter", "must be one of"),
+    ],
+)
 def test_a_field_out_of_range_is_a_400_naming_it(sup, path, body, param, words):
     response = raw_post(sup, path, json.dumps(body).encode())
     assert response.status_code == 400, response.text
@@ -341,30 +428,37 @@ def test_a_field_out_of_range_is_a_400_naming_it(sup, path, body, param, words):
 
 def test_the_grpc_api_refuses_the_same_field_in_the_same_words(sup):
     with pytest.raises(grpc.RpcError) as caught:
-        list(sup.client.stub.Generate(supervisor_pb2.GenerateRequest(model="pair", prompt="x", max_tokens=5,
-                                                                     top_p=1.5), timeout=30,
-                                      metadata=sup.client.metadata))
+        list(
+            sup.client.stub.Generate(
+                supervisor_pb2.GenerateRequest(model="pair", prompt="x", max_tokens=5, top_p=1.5),
+                timeout=30,
+                metadata=sup.client.metadata,
+            )
+        )
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     http = raw_post(sup, "completions", json.dumps({"model": "pair", "prompt": "x", "top_p": 1.5}).encode())
     assert caught.value.details() == http.json()["error"]["message"] == "top_p: must lie in (0, 1]"
 
 
-@pytest.mark.parametrize("content", [
-    b'{"model": "smol", "messages": [{"role": "user", "content": "\\ud800"}]}',  # a lone surrogate (was a 500)
-    b'{"model": "\\udfff", "prompt": "x"}',
-    b'{"model": "pair", "prompt": "x", "stop": ["\\ud800"]}',
-    b'{"model": "pair", "prompt": "x", "temperature": 1e400}',  # JSON's number too big for a float: inf
-    b'{"model": "pair", "prompt": "x", "max_tokens": 1.5}',
-    b'{"model": "pair", "prompt": null}',
-    b'{"model": "pair", "prompt": {"a": 1}}',
-    b'{"model": "smol", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
-    b'{"model": "smol", "messages": "hello"}',
-    b'[1, 2, 3]',
-    b'"just a string"',
-    b'{}',
-    b'',
-    b'\xff\xfe\x00',
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"model": "smol", "messages": [{"role": "user", "content": "\\ud800"}]}',  # a lone surrogate (was a 500)
+        b'{"model": "\\udfff", "prompt": "x"}',
+        b'{"model": "pair", "prompt": "x", "stop": ["\\ud800"]}',
+        b'{"model": "pair", "prompt": "x", "temperature": 1e400}',  # JSON's number too big for a float: inf
+        b'{"model": "pair", "prompt": "x", "max_tokens": 1.5}',
+        b'{"model": "pair", "prompt": null}',
+        b'{"model": "pair", "prompt": {"a": 1}}',
+        b'{"model": "smol", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+        b'{"model": "smol", "messages": "hello"}',
+        b"[1, 2, 3]",
+        b'"just a string"',
+        b"{}",
+        b"",
+        b"\xff\xfe\x00",
+    ],
+)
 def test_no_malformed_body_gets_a_5xx(sup, content):
     for path in ("completions", "chat/completions"):
         response = raw_post(sup, path, content)
@@ -382,7 +476,8 @@ def test_a_prompt_too_big_to_reach_the_runner_is_a_400_that_says_so(sup, client)
     assert "CLIENT" not in error["message"] and "larger than max" not in error["message"]
     with pytest.raises(openai.BadRequestError):
         client.with_options(max_retries=0).chat.completions.create(
-            model="smol", messages=[{"role": "user", "content": huge}])
+            model="smol", messages=[{"role": "user", "content": huge}]
+        )
 
 
 def test_chat_template_arguments_keep_their_types(sup):
@@ -393,8 +488,11 @@ def test_chat_template_arguments_keep_their_types(sup):
     forwarded = runner_pb2.GenerateRequest.FromString(request.SerializeToString())
     assert template_kwargs(forwarded.chat_template_kwargs) == {"n": 2, "on": True, "x": [1, "a"]}
     assert type(template_kwargs(forwarded.chat_template_kwargs)["n"]) is int
-    answer = raw_post(sup, "chat/completions", json.dumps({"model": "smol", "messages": CAPITAL, "max_tokens": 3,
-                                                            "chat_template_kwargs": {"n": 2}}).encode())
+    answer = raw_post(
+        sup,
+        "chat/completions",
+        json.dumps({"model": "smol", "messages": CAPITAL, "max_tokens": 3, "chat_template_kwargs": {"n": 2}}).encode(),
+    )
     assert answer.status_code == 200, answer.text
 
 

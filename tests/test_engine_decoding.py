@@ -11,15 +11,17 @@ PROMPT = "The for statement is used to iterate over the elements of a sequence"
 
 @pytest.fixture(scope="module")
 def plain_600(engine):
-    return collect(engine.generate(GenerationRequest(
-        prompt=PROMPT, max_tokens=600, num_draft_tokens=0, ignore_eos=True)))
+    return collect(
+        engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=600, num_draft_tokens=0, ignore_eos=True))
+    )
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
 def test_greedy_speculative_equals_plain_greedy_and_releases_at_crossings(engine, plain_600, k):
     plain_tokens, plain_text, _ = plain_600
-    tokens, text, last = collect(engine.generate(GenerationRequest(
-        prompt=PROMPT, max_tokens=600, num_draft_tokens=k, ignore_eos=True)))
+    tokens, text, last = collect(
+        engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=600, num_draft_tokens=k, ignore_eos=True))
+    )
     assert tokens == plain_tokens
     assert text == plain_text
     stats = last.stats
@@ -34,7 +36,9 @@ def test_greedy_speculative_equals_plain_greedy_and_releases_at_crossings(engine
 
 
 def test_rounds_report_what_they_emit(engine):
-    rounds = list(engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=120, num_draft_tokens=4, ignore_eos=True)))
+    rounds = list(
+        engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=120, num_draft_tokens=4, ignore_eos=True))
+    )
     stats = rounds[-1].stats
     assert sum(len(r.token_ids) for r in rounds) == stats.generated_tokens == 120
     assert len(rounds) == stats.rounds
@@ -50,8 +54,9 @@ def test_rounds_report_what_they_emit(engine):
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 7, 11])
 def test_never_more_than_max_tokens_even_when_a_round_accepts_more(engine, max_tokens):
-    tokens, _, last = collect(engine.generate(GenerationRequest(
-        prompt=PROMPT, max_tokens=max_tokens, num_draft_tokens=6, ignore_eos=True)))
+    tokens, _, last = collect(
+        engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=max_tokens, num_draft_tokens=6, ignore_eos=True))
+    )
     assert len(tokens) == max_tokens == last.stats.generated_tokens
     assert last.finish_reason == FinishReason.LENGTH
 
@@ -69,8 +74,11 @@ def test_stop_string_split_across_rounds_stops_and_does_not_leak(engine, plain_6
     start = len(plain_text) // 3
     stop = plain_text[start : start + 12]
     assert len(engine.tokenizer.encode(stop)) > 3
-    tokens, text, last = collect(engine.generate(GenerationRequest(
-        prompt=PROMPT, max_tokens=600, num_draft_tokens=1, ignore_eos=True, stop=(stop,))))
+    tokens, text, last = collect(
+        engine.generate(
+            GenerationRequest(prompt=PROMPT, max_tokens=600, num_draft_tokens=1, ignore_eos=True, stop=(stop,))
+        )
+    )
     assert last.finish_reason == FinishReason.STOP
     assert text == plain_text[: plain_text.index(stop)]
     assert stop not in text
@@ -79,8 +87,13 @@ def test_stop_string_split_across_rounds_stops_and_does_not_leak(engine, plain_6
 
 def test_stop_string_never_seen_streams_everything(engine, plain_600):
     _, plain_text, _ = plain_600
-    _, text, last = collect(engine.generate(GenerationRequest(
-        prompt=PROMPT, max_tokens=600, num_draft_tokens=3, ignore_eos=True, stop=("\x00never\x00",))))
+    _, text, last = collect(
+        engine.generate(
+            GenerationRequest(
+                prompt=PROMPT, max_tokens=600, num_draft_tokens=3, ignore_eos=True, stop=("\x00never\x00",)
+            )
+        )
+    )
     assert text == plain_text and last.finish_reason == FinishReason.LENGTH
 
 
@@ -97,5 +110,7 @@ def test_eos_stops_generation_and_is_not_emitted(plain_600):
     assert last.finish_reason == FinishReason.STOP
     assert eos not in tokens
     assert tokens == plain_tokens[: plain_tokens.index(eos)]
-    ignoring, _, _ = collect(engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=600, num_draft_tokens=3, ignore_eos=True)))
+    ignoring, _, _ = collect(
+        engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=600, num_draft_tokens=3, ignore_eos=True))
+    )
     assert ignoring == plain_tokens

@@ -5,28 +5,31 @@ import shutil
 import pytest
 
 from common.defaults import DEFAULT_TARGET
-from runner.engine import Engine, GenerationRequest
 from common.errors import InvalidRequest, ModelLoadError, TokenizerMismatch
+from runner.engine import Engine, GenerationRequest
 from tests.helpers import draft_with_swapped_vocabulary
 
 
-@pytest.mark.parametrize("fields, bad_field", [
-    (dict(prompt=""), "prompt"),
-    (dict(prompt="x", max_tokens=0), "max_tokens"),
-    (dict(prompt="x", max_tokens=-5), "max_tokens"),
-    (dict(prompt="x", temperature=-0.1), "temperature"),
-    (dict(prompt="x", temperature=float("nan")), "temperature"),
-    (dict(prompt="x", temperature=float("inf")), "temperature"),
-    (dict(prompt="x", top_p=0.0), "top_p"),
-    (dict(prompt="x", top_p=1.5), "top_p"),
-    (dict(prompt="x", top_k=-1), "top_k"),
-    (dict(prompt="x", min_p=2.0), "min_p"),
-    (dict(prompt="x", num_draft_tokens=-1), "num_draft_tokens"),
-    (dict(prompt="x", num_draft_tokens=99), "num_draft_tokens"),
-    (dict(prompt_ids=(1, 5, 999_999)), "prompt_ids"),
-    (dict(prompt="x", seed=-1), "seed"),
-    (dict(prompt="x", stop=tuple(str(i) for i in range(1000))), "stop"),
-])
+@pytest.mark.parametrize(
+    "fields, bad_field",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="x", max_tokens=0), "max_tokens"),
+        (dict(prompt="x", max_tokens=-5), "max_tokens"),
+        (dict(prompt="x", temperature=-0.1), "temperature"),
+        (dict(prompt="x", temperature=float("nan")), "temperature"),
+        (dict(prompt="x", temperature=float("inf")), "temperature"),
+        (dict(prompt="x", top_p=0.0), "top_p"),
+        (dict(prompt="x", top_p=1.5), "top_p"),
+        (dict(prompt="x", top_k=-1), "top_k"),
+        (dict(prompt="x", min_p=2.0), "min_p"),
+        (dict(prompt="x", num_draft_tokens=-1), "num_draft_tokens"),
+        (dict(prompt="x", num_draft_tokens=99), "num_draft_tokens"),
+        (dict(prompt_ids=(1, 5, 999_999)), "prompt_ids"),
+        (dict(prompt="x", seed=-1), "seed"),
+        (dict(prompt="x", stop=tuple(str(i) for i in range(1000))), "stop"),
+    ],
+)
 def test_bad_request_names_the_field(engine, fields, bad_field):
     with pytest.raises(InvalidRequest) as caught:
         next(engine.generate(GenerationRequest(**fields)))

@@ -27,7 +27,9 @@ def peak_pool_during(engine) -> tuple[int, object]:
     """Largest pool size seen between rounds of one long speculative generation."""
     mx.clear_cache()
     peak = 0
-    for last in engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=GENERATED, num_draft_tokens=3, ignore_eos=True)):
+    for last in engine.generate(
+        GenerationRequest(prompt=PROMPT, max_tokens=GENERATED, num_draft_tokens=3, ignore_eos=True)
+    ):
         peak = max(peak, mx.get_cache_memory())
     return peak, last
 
@@ -39,8 +41,11 @@ def pools():
     try:
         measured = {}
         for release in (True, False):
-            engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(
-                cache_limit=CACHE_LIMIT_UNBOUNDED, release_enabled=release))
+            engine = Engine.load(
+                DEFAULT_TARGET,
+                DEFAULT_DRAFT,
+                RunnerSettings(cache_limit=CACHE_LIMIT_UNBOUNDED, release_enabled=release),
+            )
             assert mx.set_cache_limit(mx.get_memory_limit()) == mx.get_memory_limit()  # really unbounded
             measured[release] = (*peak_pool_during(engine), engine)
         yield measured

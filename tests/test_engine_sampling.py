@@ -12,9 +12,21 @@ PROMPT = "A class definition defines a class object"
 
 
 def sampled(engine, seed, k=3, **kw):
-    return collect(engine.generate(GenerationRequest(
-        prompt=PROMPT, max_tokens=80, temperature=0.9, top_k=50, top_p=0.95, seed=seed,
-        num_draft_tokens=k, ignore_eos=True, **kw)))
+    return collect(
+        engine.generate(
+            GenerationRequest(
+                prompt=PROMPT,
+                max_tokens=80,
+                temperature=0.9,
+                top_k=50,
+                top_p=0.95,
+                seed=seed,
+                num_draft_tokens=k,
+                ignore_eos=True,
+                **kw,
+            )
+        )
+    )
 
 
 def test_seeded_request_is_reproducible(engine):

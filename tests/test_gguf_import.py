@@ -18,8 +18,8 @@ import mlx.core as mx
 import pytest
 from gguf import GGUFReader
 
-from runner.gguf import build_tokenizer, open_reader, read_metadata
 from common.protocol import runner_pb2
+from runner.gguf import build_tokenizer, open_reader, read_metadata
 from tests.helpers import gguf_like_llama_cpp, mlx_lm_greedy, redrawn, tiny_gguf
 from tests.processes import REPO, RunnerProcess, child_environment
 
@@ -27,12 +27,18 @@ VOCAB_DIR = REPO / ".whl" / "vocab"
 CASE_SEPARATOR = "\n__ggml_vocab_test__\n"
 NEAR_TIE = 0.01  # log-probability gap between mlx-lm's two most likely tokens
 # name -> (tokenizer.ggml.model, whether a prompt gets BOS)
-VOCABULARIES = {"llama-spm": ("llama", True), "phi-3": ("llama", True), "llama-bpe": ("gpt2", True),
-                "gpt-2": ("gpt2", False), "qwen2": ("gpt2", False)}
+VOCABULARIES = {
+    "llama-spm": ("llama", True),
+    "phi-3": ("llama", True),
+    "llama-bpe": ("gpt2", True),
+    "gpt-2": ("gpt2", False),
+    "qwen2": ("gpt2", False),
+}
 LLAMA2_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
     "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ ' ' + message['content'] + ' ' + eos_token }}"
-    "{% endif %}{% endfor %}")
+    "{% endif %}{% endfor %}"
+)
 
 
 def vocabulary(name: str) -> Path:
@@ -90,21 +96,36 @@ def test_a_model_written_as_llama_cpp_writes_it_imports_back_unchanged(tmp_path,
     from mlx.utils import tree_flatten
     from mlx_lm import load
 
-    config = {"model_type": architecture, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 50257,
-              "max_position_embeddings": 512, "tie_word_embeddings": architecture != "llama",
-              **ARCHITECTURE_CONFIGS[architecture]}
+    config = {
+        "model_type": architecture,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 50257,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": architecture != "llama",
+        **ARCHITECTURE_CONFIGS[architecture],
+    }
     module = importlib.import_module(f"mlx_lm.models.{architecture}")
     mx.random.seed(3)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.update(redrawn(model.parameters()))  # biases and norms non-trivial, as trained ones are
     gguf_file = gguf_like_llama_cpp(model, config, GGUFReader(str(vocabulary("gpt-2"))), tmp_path / "model.gguf")
-    done = subprocess.run([sys.executable, "-m", "runner.gguf", str(gguf_file), str(tmp_path / "imported")],
-                          capture_output=True, text=True, timeout=300, env=child_environment())
+    done = subprocess.run(
+        [sys.executable, "-m", "runner.gguf", str(gguf_file), str(tmp_path / "imported")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_environment(),
+    )
     assert done.returncode == 0, done.stderr
     imported, _ = load(str(tmp_path / "imported"))
     assert sorted(name for name, _ in tree_flatten(imported.parameters())) == sorted(
-        name for name, _ in tree_flatten(model.parameters()))
+        name for name, _ in tree_flatten(model.parameters())
+    )
     tokens = mx.array([[464, 3139, 286, 4881, 318, 6342, 13, 383, 3139, 286, 8031, 318]])
     expected, got = model(tokens), imported(tokens)
     assert mx.abs(expected - got).max().item() < 1e-4
@@ -120,23 +141,33 @@ def test_a_gguf_imports_and_serves_a_chat(tmp_path, vocab_name, architecture):
     their text."""
     from mlx_lm import load
 
-    gguf_file = tiny_gguf(tmp_path / "model.gguf", vocabulary(vocab_name), architecture,
-                          chat_template=LLAMA2_CHAT_TEMPLATE if vocab_name == "llama-spm" else None)
+    gguf_file = tiny_gguf(
+        tmp_path / "model.gguf",
+        vocabulary(vocab_name),
+        architecture,
+        chat_template=LLAMA2_CHAT_TEMPLATE if vocab_name == "llama-spm" else None,
+    )
     folder = tmp_path / "model"
-    done = subprocess.run([sys.executable, "-m", "runner.gguf", str(gguf_file), str(folder)], capture_output=True,
-                          text=True, timeout=300, env=child_environment())
+    done = subprocess.run(
+        [sys.executable, "-m", "runner.gguf", str(gguf_file), str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_environment(),
+    )
     assert done.returncode == 0, done.stderr
     model, tokenizer = load(str(folder))
     model.set_dtype(mx.float32)
     conversation = [("user", "What is the capital of France?"), ("assistant", "Paris."), ("user", "And of Italy?")]
-    rendered = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in conversation], tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": r, "content": c} for r, c in conversation], tokenize=False, add_generation_prompt=True
+    )
     expected_prompt = tokenizer.encode(rendered, add_special_tokens=False)
     if vocab_name == "llama-spm":
         # Llama 2's template puts a space before </s>: a lone "▁" piece, as with Llama 2's own tokenizer.
-        assert expected_prompt == [1] + tokenizer.encode("[INST] What is the capital of France? [/INST] Paris. ",
-                                                         add_special_tokens=False) + [2] + tokenizer.encode(
-            "[INST] And of Italy? [/INST]", add_special_tokens=False)
+        assert expected_prompt == [1] + tokenizer.encode(
+            "[INST] What is the capital of France? [/INST] Paris. ", add_special_tokens=False
+        ) + [2] + tokenizer.encode("[INST] And of Italy? [/INST]", add_special_tokens=False)
     expected, gaps = mlx_lm_greedy(model, expected_prompt, 40)
     # Random weights over a large vocabulary give near ties, which float rounding differences between the runner's
     # products and mlx-lm's may break either way: the tokens are compared up to the first one.
@@ -147,10 +178,12 @@ def test_a_gguf_imports_and_serves_a_chat(tmp_path, vocab_name, architecture):
         info = runner.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
         assert info.target.architecture == architecture and info.target.vocab_size == len(tokenizer.vocab)
         messages = [runner_pb2.ChatMessage(role=role, content=content) for role, content in conversation]
-        chunks = list(runner.client.generate(timeout=120, messages=messages, max_tokens=40, ignore_eos=True,
-                                             drafter="none"))
-        plain = list(runner.client.generate(timeout=120, prompt="Hello world", max_tokens=5, ignore_eos=True,
-                                            drafter="none"))
+        chunks = list(
+            runner.client.generate(timeout=120, messages=messages, max_tokens=40, ignore_eos=True, drafter="none")
+        )
+        plain = list(
+            runner.client.generate(timeout=120, prompt="Hello world", max_tokens=5, ignore_eos=True, drafter="none")
+        )
     finally:
         assert runner.stop() == 0
     tokens = [t for c in chunks for t in c.token_ids]

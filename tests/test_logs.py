@@ -34,13 +34,17 @@ def test_a_runners_traceback_stays_in_its_record():
     line = runner_line("engine failure", "ERROR", exception="Traceback (most recent call last):\n  boom")
     record = record_from_json(line, "m", 7)
     assert record.levelno == logging.ERROR and record.getMessage() == "engine failure"
-    assert TextFormatter().format(record).endswith("ERROR runner[m:7] engine failure\nTraceback (most recent call "
-                                                   "last):\n  boom")
+    assert (
+        TextFormatter()
+        .format(record)
+        .endswith("ERROR runner[m:7] engine failure\nTraceback (most recent call last):\n  boom")
+    )
     assert json.loads(JsonFormatter().format(record))["exception"].endswith("boom")
 
 
 def test_a_line_that_is_not_a_record_is_kept_as_a_warning_of_its_runner():
     record = record_from_json("runner: cannot load model from /x: no config.json", "m", 7)
     assert record.levelno == logging.WARNING and record.model == "m" and record.pid == 7
-    assert TextFormatter().format(record).endswith("WARNING runner[m:7] runner: cannot load model from /x: "
-                                                   "no config.json")
+    assert (
+        TextFormatter().format(record).endswith("WARNING runner[m:7] runner: cannot load model from /x: no config.json")
+    )

@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from runner.batch_memory import BatchMemory, CacheCost
 from common.defaults import DEFAULT_TARGET, SMOLLM2_DIR
 from common.footprint import Estimate, ModelFootprint, default_prompt_cache_bytes, estimate
-from runner.loading import load_model
 from common.settings import RunnerSettings
+from runner.batch_memory import BatchMemory, CacheCost
+from runner.loading import load_model
 from supervisor.config import ModelConfig
 from supervisor.memory import batch_memory_budget, prompt_cache_budget
 from tests.processes import SupervisorProcess, model_toml
@@ -33,8 +33,10 @@ def filled(tmp_path_factory):
             chunks = list(sup.client.generate(timeout=600, model=name, prompt_ids=ids, max_tokens=64, ignore_eos=True))
             results[name] = chunks[-1]
 
-        threads = [threading.Thread(target=fill, args=("pair", 8192)),
-                   threading.Thread(target=fill, args=("smol", SMOLLM2_CONTEXT))]
+        threads = [
+            threading.Thread(target=fill, args=("pair", 8192)),
+            threading.Thread(target=fill, args=("smol", SMOLLM2_CONTEXT)),
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -49,7 +51,8 @@ def filled(tmp_path_factory):
 def test_estimate_is_within_a_quarter_of_the_measured_peak(filled, name):
     before, after, results = filled
     assert results[name].stats.prompt_tokens + results[name].stats.generated_tokens == (
-        8192 if name == "pair" else SMOLLM2_CONTEXT)
+        8192 if name == "pair" else SMOLLM2_CONTEXT
+    )
     memory = after[name].memory
     print(f"{name}: estimate {memory.estimate / 2**20:.0f} MiB, measured peak {memory.peak_rss / 2**20:.0f} MiB")
     assert before[name].memory.estimate > 0
@@ -101,7 +104,10 @@ def test_the_batch_budget_is_the_room_above_the_estimate():
     assert batch_memory_budget(limited, needed, prompt_cache=600, available=5000) == 100 + 600
     hard = ModelConfig("m", RunnerSettings(target=DEFAULT_TARGET), hard_limit=3000)
     assert batch_memory_budget(hard, needed, prompt_cache=0, available=5000) == 100 + 1000
-    assert batch_memory_budget(ModelConfig("m", RunnerSettings(target=DEFAULT_TARGET, batch_memory=12345)), needed, 0) == 12345
+    assert (
+        batch_memory_budget(ModelConfig("m", RunnerSettings(target=DEFAULT_TARGET, batch_memory=12345)), needed, 0)
+        == 12345
+    )
     assert batch_memory_budget(model, None, 0) is None
 
 

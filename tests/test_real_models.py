@@ -15,15 +15,21 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from common.requests import FinishReason
 from common.cpu_blas import mkl_library
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
+from common.protocol import runner_pb2
+from common.requests import FinishReason
 from common.settings import RunnerSettings
 from runner.engine import Engine
-from common.protocol import runner_pb2
 from runner.request import GenerationRequest
-from tests.helpers import (collect, differences_from_llama_cpp, mlx_lm_greedy, rewrite_gguf,
-                           tiny_cache_list_model, tiny_sliding_window_model)
+from tests.helpers import (
+    collect,
+    differences_from_llama_cpp,
+    mlx_lm_greedy,
+    rewrite_gguf,
+    tiny_cache_list_model,
+    tiny_sliding_window_model,
+)
 from tests.processes import RunnerProcess, child_environment
 
 SMOLLM2_PARAMETERS = 134_515_008
@@ -89,21 +95,35 @@ def bad_ggufs(folder):
     not_gguf = folder / "notes.gguf"
     not_gguf.write_text("this is a text file, not a model\n" * 10)
     gemma = write_gguf(folder / "gemma.gguf", "gemma2", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
-    iq = write_gguf(folder / "iq2.gguf", "llama", {
-        "token_embd.weight": (np.zeros((8, 32), np.float32), None),
-        "blk.0.attn_q.weight": (np.zeros((4, 66), np.uint8), gguf.GGMLQuantizationType.IQ2_XXS),
-    })
-    unigram = write_gguf(folder / "t5.gguf", "llama", {"token_embd.weight": (np.zeros((4, 32), np.float32), None)},
-                         tokenizer_model="t5")
-    return [(truncated, "extends past the end of the file"), (not_gguf, "is not a GGUF file"),
-            (gemma, "unsupported architecture 'gemma2'"), (iq, "unsupported quantization type IQ2_XXS"),
-            (unigram, "unsupported tokenizer model 't5'")]
+    iq = write_gguf(
+        folder / "iq2.gguf",
+        "llama",
+        {
+            "token_embd.weight": (np.zeros((8, 32), np.float32), None),
+            "blk.0.attn_q.weight": (np.zeros((4, 66), np.uint8), gguf.GGMLQuantizationType.IQ2_XXS),
+        },
+    )
+    unigram = write_gguf(
+        folder / "t5.gguf", "llama", {"token_embd.weight": (np.zeros((4, 32), np.float32), None)}, tokenizer_model="t5"
+    )
+    return [
+        (truncated, "extends past the end of the file"),
+        (not_gguf, "is not a GGUF file"),
+        (gemma, "unsupported architecture 'gemma2'"),
+        (iq, "unsupported quantization type IQ2_XXS"),
+        (unigram, "unsupported tokenizer model 't5'"),
+    ]
 
 
 def test_importer_refuses_bad_files_with_one_clear_line(tmp_path):
     for path, expected in bad_ggufs(tmp_path):
-        done = subprocess.run([sys.executable, "-m", "runner.gguf", str(path), str(tmp_path / "out")],
-                              capture_output=True, text=True, timeout=120, env=child_environment())
+        done = subprocess.run(
+            [sys.executable, "-m", "runner.gguf", str(path), str(tmp_path / "out")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=child_environment(),
+        )
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, (path, done.stderr)
         assert expected in lines[0] and lines[0].startswith("runner.gguf: "), lines[0]
@@ -111,8 +131,20 @@ def test_importer_refuses_bad_files_with_one_clear_line(tmp_path):
 
 
 # Byte offsets of each block's float16 scale fields: random bytes there could be inf or NaN.
-SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-                "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+SCALE_FIELDS = {
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
 WIDER = {"Q2_K": 2, "Q3_K": 3, "Q6_K": 6, "IQ4_NL": 4, "IQ4_XS": 4}  # stored wider than their own bits
 
 
@@ -132,7 +164,7 @@ def test_each_quantized_type_imports_as_llama_cpp_dequantizes_it(kind):
     rng = np.random.default_rng(list(SCALE_FIELDS).index(kind))
     data = rng.integers(0, 256, size=(6, 512 // block * size), dtype=np.uint8)
     for offset in SCALE_FIELDS[kind]:
-        fields = data.reshape(-1, size)[:, offset:offset + 2]
+        fields = data.reshape(-1, size)[:, offset : offset + 2]
         fields[:] = rng.uniform(-0.05, 0.05, size=(len(fields), 1)).astype(np.float16).view(np.uint8)
     expected = dequantize(data, qtype)
     bits = BITS[kind]
@@ -177,15 +209,20 @@ def test_a_k_quant_file_imports_exactly_and_answers(tmp_path):
     folder = import_gguf(rewritten, tmp_path / "smollm2-q4_k_m")
     config = json.loads((folder / "config.json").read_text())
     down = {f"model.layers.{i}.mlp.down_proj": {"group_size": 32, "bits": 8 if i % 3 == 0 else 4} for i in range(30)}
-    assert config["quantization"] == {"group_size": 32, "bits": 5, "model.embed_tokens": {"group_size": 32, "bits": 8},
-                                      **down}
+    assert config["quantization"] == {
+        "group_size": 32,
+        "bits": 5,
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
+        **down,
+    }
     differences = differences_from_llama_cpp(rewritten, folder)
     assert {kind for kind, _, _ in differences.values()} == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
     assert all(difference == 0 for kind, difference, _ in differences.values() if kind != "Q6_K")
     assert all(levels <= 0.5001 for kind, _, levels in differences.values() if kind == "Q6_K")
     engine = Engine.load(folder, None, RunnerSettings(prompt_cache=0))
-    tokens, text, last = collect(engine.generate(GenerationRequest(
-        messages=(("user", "What is the capital of Germany?"),), max_tokens=40)))
+    tokens, text, last = collect(
+        engine.generate(GenerationRequest(messages=(("user", "What is the capital of Germany?"),), max_tokens=40))
+    )
     assert "Berlin" in text and last.finish_reason == FinishReason.STOP, text
 
 
@@ -194,8 +231,9 @@ def test_a_k_quant_file_imports_exactly_and_answers(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_runner(smollm2, tmp_path_factory):
-    runner = RunnerProcess(tmp_path_factory.mktemp("smol") / "sockets", target=smollm2, draft=None,
-                           name="smollm2").wait_serving(180)
+    runner = RunnerProcess(
+        tmp_path_factory.mktemp("smol") / "sockets", target=smollm2, draft=None, name="smollm2"
+    ).wait_serving(180)
     yield runner
     assert runner.stop() == 0
 
@@ -245,10 +283,17 @@ def test_smollm2_greedy_equals_mlx_lm_generate_step(smollm2, dtype):
     engine = Engine.load(smollm2, None, RunnerSettings(dtype=dtype, prompt_cache=0))
     assert engine.target.is_quantized == (dtype == "checkpoint")
     prompt_ids = engine.tokenizer.encode(chat_prompt(smollm2, STORY))
-    reference = subprocess.Popen([sys.executable, "-c", MLX_LM_GREEDY, str(smollm2), dtype, json.dumps(prompt_ids),
-                                  "210"], stdout=subprocess.PIPE, text=True, env=child_environment())
-    ours, _, last = collect(engine.generate(GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=210,
-                                                              ignore_eos=True, drafter="none")))
+    reference = subprocess.Popen(
+        [sys.executable, "-c", MLX_LM_GREEDY, str(smollm2), dtype, json.dumps(prompt_ids), "210"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_environment(),
+    )
+    ours, _, last = collect(
+        engine.generate(
+            GenerationRequest(prompt_ids=tuple(prompt_ids), max_tokens=210, ignore_eos=True, drafter="none")
+        )
+    )
     theirs = json.loads(reference.communicate(timeout=600)[0].strip().splitlines()[-1])
     assert last.stats.generated_tokens == 210
     assert ours == theirs
@@ -290,8 +335,16 @@ def test_a_sliding_window_model_speculates_past_its_window(tmp_path):
         assert info.speculative and info.target.rewindable and "RotatingKVCache" in info.target.cache
         outputs = {}
         for drafter in ("none", "model", "ngram"):
-            chunks = list(runner.client.generate(timeout=60, prompt=prompt, max_tokens=150, ignore_eos=True,
-                                                 drafter=drafter, num_draft_tokens=0 if drafter == "none" else 3))
+            chunks = list(
+                runner.client.generate(
+                    timeout=60,
+                    prompt=prompt,
+                    max_tokens=150,
+                    ignore_eos=True,
+                    drafter=drafter,
+                    num_draft_tokens=0 if drafter == "none" else 3,
+                )
+            )
             outputs[drafter] = ([t for c in chunks for t in c.token_ids], chunks[-1].stats)
     finally:
         assert runner.stop() == 0
@@ -320,8 +373,16 @@ def test_a_cache_list_model_speculates_and_batches(tmp_path):
         assert info.speculative and info.target.rewindable and info.target.cache == "CacheList"
         alone = {}
         for drafter in ("none", "model"):
-            chunks = list(runner.client.generate(timeout=60, prompt=prompts[0], max_tokens=80, ignore_eos=True,
-                                                 drafter=drafter, num_draft_tokens=0 if drafter == "none" else 3))
+            chunks = list(
+                runner.client.generate(
+                    timeout=60,
+                    prompt=prompts[0],
+                    max_tokens=80,
+                    ignore_eos=True,
+                    drafter=drafter,
+                    num_draft_tokens=0 if drafter == "none" else 3,
+                )
+            )
             alone[drafter] = ([t for c in chunks for t in c.token_ids], chunks[-1].stats)
         together = {}
 

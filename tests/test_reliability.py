@@ -23,8 +23,13 @@ from supervisor.protocol import supervisor_pb2
 from tests.processes import SupervisorProcess, model_toml, serve_expecting_refusal, wait_until
 
 PROMPT = "The for statement is used to iterate over the elements of a sequence"
-DOCUMENTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-              grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED}
+DOCUMENTED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +51,37 @@ def outcome(call_fn) -> tuple[grpc.StatusCode, list]:
 
 text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=200)
 floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
-int32 = st.integers(-2**31, 2**31 - 1)
+int32 = st.integers(-(2**31), 2**31 - 1)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(prompt=text, max_tokens=st.one_of(st.integers(-5, 12), int32), temperature=floats, top_k=int32,
-       top_p=st.one_of(st.none(), floats), min_p=floats, seed=st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
-       stop=st.lists(text, max_size=80), k=st.one_of(st.none(), int32), model=st.sampled_from(["one", "two", "", "x\x00"]),
-       prompt_ids=st.lists(int32, max_size=20))
-def test_fuzzed_generate_requests_get_ok_or_a_documented_error(pair, prompt, max_tokens, temperature, top_k, top_p,
-                                                               min_p, seed, stop, k, model, prompt_ids):
+@given(
+    prompt=text,
+    max_tokens=st.one_of(st.integers(-5, 12), int32),
+    temperature=floats,
+    top_k=int32,
+    top_p=st.one_of(st.none(), floats),
+    min_p=floats,
+    seed=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
+    stop=st.lists(text, max_size=80),
+    k=st.one_of(st.none(), int32),
+    model=st.sampled_from(["one", "two", "", "x\x00"]),
+    prompt_ids=st.lists(int32, max_size=20),
+)
+def test_fuzzed_generate_requests_get_ok_or_a_documented_error(
+    pair, prompt, max_tokens, temperature, top_k, top_p, min_p, seed, stop, k, model, prompt_ids
+):
     """Fuzzed public Generate requests: OK or a documented code, never INTERNAL, no runner crash."""
-    fields = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                  min_p=min_p, stop=stop, prompt_ids=prompt_ids)
+    fields = dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        min_p=min_p,
+        stop=stop,
+        prompt_ids=prompt_ids,
+    )
     if top_p is not None:
         fields["top_p"] = top_p
     if seed is not None:
@@ -70,16 +93,37 @@ def test_fuzzed_generate_requests_get_ok_or_a_documented_error(pair, prompt, max
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(prompt=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=200),
-       stop=st.lists(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=6), max_size=5),
-       temperature=st.floats(0, 2), top_p=st.floats(0.05, 1), top_k=st.integers(0, 100), min_p=st.floats(0, 0.5),
-       seed=st.integers(0, 2**32), k=st.integers(0, 6), max_tokens=st.integers(1, 16))
-def test_fuzzed_valid_requests_generate_within_their_limits(pair, prompt, stop, temperature, top_p, top_k, min_p,
-                                                            seed, k, max_tokens):
-    """Fuzzed valid requests (any unicode prompt and stop strings): OK, within max_tokens, no stop string in the text."""
-    code, chunks = outcome(lambda: pair.client.generate(
-        timeout=60, model="one", prompt=prompt, stop=stop, temperature=temperature, top_p=top_p, top_k=top_k,
-        min_p=min_p, seed=seed, num_draft_tokens=k, max_tokens=max_tokens))
+@given(
+    prompt=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=200),
+    stop=st.lists(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=6), max_size=5),
+    temperature=st.floats(0, 2),
+    top_p=st.floats(0.05, 1),
+    top_k=st.integers(0, 100),
+    min_p=st.floats(0, 0.5),
+    seed=st.integers(0, 2**32),
+    k=st.integers(0, 6),
+    max_tokens=st.integers(1, 16),
+)
+def test_fuzzed_valid_requests_generate_within_their_limits(
+    pair, prompt, stop, temperature, top_p, top_k, min_p, seed, k, max_tokens
+):
+    """Fuzzed valid requests (any unicode prompt and stop strings): OK, within max_tokens, no stop string in the
+    text."""
+    code, chunks = outcome(
+        lambda: pair.client.generate(
+            timeout=60,
+            model="one",
+            prompt=prompt,
+            stop=stop,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            seed=seed,
+            num_draft_tokens=k,
+            max_tokens=max_tokens,
+        )
+    )
     assert code == grpc.StatusCode.OK
     text = "".join(c.text for c in chunks)
     stats = chunks[-1].stats
@@ -94,12 +138,15 @@ def test_fuzzing_left_every_runner_unharmed(pair, record_property):
     assert all(m.restarts == 0 and m.state == supervisor_pb2.RUNNER_STATE_SERVING for m in models)
 
 
-@pytest.mark.parametrize("case, fields", [
-    ("prompt over the context length", dict(prompt_ids=[5] * 9000, max_tokens=4)),
-    ("thousands of stop strings", dict(prompt="x", max_tokens=4, stop=["s"] * 5000)),
-    ("NaN temperature", dict(prompt="x", max_tokens=4, temperature=math.nan)),
-    ("infinite top_p", dict(prompt="x", max_tokens=4, top_p=math.inf)),
-])
+@pytest.mark.parametrize(
+    "case, fields",
+    [
+        ("prompt over the context length", dict(prompt_ids=[5] * 9000, max_tokens=4)),
+        ("thousands of stop strings", dict(prompt="x", max_tokens=4, stop=["s"] * 5000)),
+        ("NaN temperature", dict(prompt="x", max_tokens=4, temperature=math.nan)),
+        ("infinite top_p", dict(prompt="x", max_tokens=4, top_p=math.inf)),
+    ],
+)
 def test_named_bad_requests_are_invalid_argument(pair, case, fields):
     """Prompt over the context, thousands of stop strings, NaN/inf numbers: INVALID_ARGUMENT."""
     code, _ = outcome(lambda: pair.client.generate(timeout=10, model="one", **fields))
@@ -110,10 +157,14 @@ def test_oversized_message_is_resource_exhausted(pair):
     """A request over the 8 MiB message limit: RESOURCE_EXHAUSTED, nothing else breaks."""
     code, _ = outcome(lambda: pair.client.generate(timeout=10, model="one", prompt="z" * (9 * 2**20), max_tokens=1))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert outcome(lambda: pair.client.generate(timeout=30, model="one", prompt="x", max_tokens=2))[0] == grpc.StatusCode.OK
+    assert (
+        outcome(lambda: pair.client.generate(timeout=30, model="one", prompt="x", max_tokens=2))[0]
+        == grpc.StatusCode.OK
+    )
 
 
 # -- load -----------------------------------------------------------------------------------------
+
 
 def test_32_concurrent_clients_over_2_models(pair, record_property):
     """32 concurrent streaming clients for a bounded time: every request completes (batched), none hangs."""
@@ -127,8 +178,9 @@ def test_32_concurrent_clients_over_2_models(pair, record_property):
         with SupervisorClient(f"127.0.0.1:{pair.port}") as c:
             while time.monotonic() < stop_at:
                 started = time.monotonic()
-                code, chunks = outcome(lambda: c.generate(timeout=30, model=model, prompt=f"{PROMPT} {i}",
-                                                          max_tokens=24, ignore_eos=True))
+                code, chunks = outcome(
+                    lambda: c.generate(timeout=30, model=model, prompt=f"{PROMPT} {i}", max_tokens=24, ignore_eos=True)
+                )
                 elapsed = time.monotonic() - started
                 if code == grpc.StatusCode.OK:
                     assert sum(len(ch.token_ids) for ch in chunks) == chunks[-1].stats.generated_tokens == 24
@@ -151,25 +203,30 @@ def test_32_concurrent_clients_over_2_models(pair, record_property):
     record_property("slowest_s", round(max(r[2] for r in results), 2))
     assert ok == len(codes) and busy == 0, set(codes)  # 16 clients a model fit its batch: nobody is refused
     assert max(r[2] for r in results) < 30
+
     # Memory goes back to its idle level once the load is gone (the pool is released per request), but for
     # what the prompt cache now holds.
     def settled():
         models = pair.client.get_memory().models
         record_property("rss_after_mib", {m.name: round(m.memory.rss / 2**20) for m in models})
         record_property("prompt_cache_mib", {m.name: round(m.memory.prompt_cache.bytes / 2**20) for m in models})
-        return all(m.memory.rss - m.memory.prompt_cache.bytes < idle[m.name] + 64 * 2**20 and m.in_flight == 0
-                   for m in models)
+        return all(
+            m.memory.rss - m.memory.prompt_cache.bytes < idle[m.name] + 64 * 2**20 and m.in_flight == 0 for m in models
+        )
 
     assert wait_until(settled, 20, interval=0.3), pair.client.get_memory()
 
 
 # -- faults -------------------------------------------------------------------------------------
 
+
 def test_runner_killed_during_prefill(pair):
-    """Runner SIGKILLed during a long prefill (nothing streamed yet): the request waits for the restart and is answered."""
+    """Runner SIGKILLed during a long prefill (nothing streamed yet): the request waits for the restart and is
+    answered."""
     victim = pair.client.model("two")
-    call = pair.client.generate(timeout=120, model="two", prompt_ids=[7 + (i % 3000) for i in range(3000)],
-                                max_tokens=5, ignore_eos=True)
+    call = pair.client.generate(
+        timeout=120, model="two", prompt_ids=[7 + (i % 3000) for i in range(3000)], max_tokens=5, ignore_eos=True
+    )
     assert wait_until(lambda: pair.client.model("two").in_flight == 1, 10)
     time.sleep(0.3)  # inside the 3000-token prefill, which takes seconds
     os.kill(victim.pid, signal.SIGKILL)
@@ -178,7 +235,10 @@ def test_runner_killed_during_prefill(pair):
     restarted = pair.client.model("two")
     assert restarted.restarts == victim.restarts + 1 and restarted.pid != victim.pid
     assert "sending the request again" in pair.stderr
-    assert outcome(lambda: pair.client.generate(timeout=30, model="two", prompt="x", max_tokens=3))[0] == grpc.StatusCode.OK
+    assert (
+        outcome(lambda: pair.client.generate(timeout=30, model="two", prompt="x", max_tokens=3))[0]
+        == grpc.StatusCode.OK
+    )
     assert pair.client.model("one").restarts == 0  # the other model never noticed
 
 
@@ -202,8 +262,9 @@ def test_runner_killed_before_ready(tmp_path):
         request = dict(model="late", prompt="x", max_tokens=3, ignore_eos=True)
         result = {}
         # The request starts the model (not loaded at start): it waits before the runner even exists.
-        t = threading.Thread(target=lambda: result.update(
-            r=outcome(lambda: sup.client.generate(timeout=120, **request))))
+        t = threading.Thread(
+            target=lambda: result.update(r=outcome(lambda: sup.client.generate(timeout=120, **request)))
+        )
         t.start()
         assert wait_until(lambda: sup.client.model("late").pid != 0, 30, interval=0.005)
         first = sup.client.model("late")
@@ -236,10 +297,14 @@ def test_socket_file_deleted_under_a_runner(pair):
     time.sleep(2.0)  # several health periods
     after = pair.client.model("one")
     assert after.restarts == before.restarts and after.state == supervisor_pb2.RUNNER_STATE_SERVING
-    assert outcome(lambda: pair.client.generate(timeout=30, model="one", prompt="x", max_tokens=3))[0] == grpc.StatusCode.OK
+    assert (
+        outcome(lambda: pair.client.generate(timeout=30, model="one", prompt="x", max_tokens=3))[0]
+        == grpc.StatusCode.OK
+    )
 
 
 # -- long generation memory -----------------------------------------------------------------------
+
 
 def rss_during_long_generation(tmp_path, release: bool) -> tuple[int, int, list]:
     name = "fixed" if release else "leaky"
@@ -272,8 +337,10 @@ def test_long_generation_rss_stays_under_the_bound_and_the_leak_crosses_it(tmp_p
     cache = kv_per_token * 4608  # 4200 + prompt, rounded up to the 256 step
     # Both at once, one runner each (each figure is its own process's RSS): half the wall time.
     measured = {}
-    threads = [threading.Thread(target=lambda r=r: measured.__setitem__(r, rss_during_long_generation(tmp_path, r)))
-               for r in (True, False)]
+    threads = [
+        threading.Thread(target=lambda r=r: measured.__setitem__(r, rss_during_long_generation(tmp_path, r)))
+        for r in (True, False)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -282,7 +349,10 @@ def test_long_generation_rss_stays_under_the_bound_and_the_leak_crosses_it(tmp_p
     # idle (weights + runtime) + the cache + one growth step's freed buffer + round transients (see the engine test)
     bound = idle + 4 * cache + 32 * 2**20
     leaky_idle, leaky_peak, leaky_curve = measured[False]
-    mib = lambda xs: [round(x / 2**20) for x in xs[:: max(1, len(xs) // 12)]]
+
+    def mib(xs):
+        return [round(x / 2**20) for x in xs[:: max(1, len(xs) // 12)]]
+
     record_property("bound_mib", round(bound / 2**20))
     record_property("rss_with_release_mib", mib(fixed_curve))
     record_property("rss_without_release_mib", mib(leaky_curve))
@@ -291,6 +361,7 @@ def test_long_generation_rss_stays_under_the_bound_and_the_leak_crosses_it(tmp_p
 
 
 # -- security -------------------------------------------------------------------------------------
+
 
 def test_no_prompt_or_output_in_logs_or_probes(pair):
     """Prompts and outputs never reach the logs or the probe port."""
@@ -309,7 +380,10 @@ def test_bearer_token_is_required_when_configured(tmp_path):
     try:
         for token in ("", "wrong"):
             with SupervisorClient(f"127.0.0.1:{sup.port}", token=token) as c:
-                assert outcome(lambda: c.generate(timeout=10, model="m", prompt="x", max_tokens=2))[0] == grpc.StatusCode.UNAUTHENTICATED
+                assert (
+                    outcome(lambda: c.generate(timeout=10, model="m", prompt="x", max_tokens=2))[0]
+                    == grpc.StatusCode.UNAUTHENTICATED
+                )
                 with pytest.raises(grpc.RpcError) as caught:
                     c.list_models()
                 assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -322,9 +396,28 @@ def test_bearer_token_is_required_when_configured(tmp_path):
 def test_tls_can_be_configured(tmp_path):
     """With tls_cert/tls_key the API speaks TLS only."""
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     sup = SupervisorProcess(tmp_path, model_toml("m"), tls_cert=str(cert), tls_key=str(key))
     try:
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
@@ -332,8 +425,13 @@ def test_tls_can_be_configured(tmp_path):
         from supervisor.protocol import supervisor_pb2_grpc
 
         stub = supervisor_pb2_grpc.SupervisorStub(channel)
-        assert wait_until(lambda: outcome(lambda: [stub.GetStatus(supervisor_pb2.GetStatusRequest(), timeout=2)])[0]
-                          == grpc.StatusCode.OK, 60, interval=0.2)
+        assert wait_until(
+            lambda: (
+                outcome(lambda: [stub.GetStatus(supervisor_pb2.GetStatusRequest(), timeout=2)])[0] == grpc.StatusCode.OK
+            ),
+            60,
+            interval=0.2,
+        )
         plain = SupervisorClient(f"127.0.0.1:{sup.port}")
         assert plain.health_status(timeout=2) is None  # plaintext is refused
         channel.close()
@@ -355,22 +453,30 @@ def test_client_gone_mid_stream_frees_the_runner(pair):
     next(call)
     call.cancel()
     assert wait_until(lambda: pair.client.model("one").in_flight == 0, 5)
-    code, _ = outcome(lambda: pair.client.generate(timeout=1.0, model="one", prompt=PROMPT, max_tokens=6000, ignore_eos=True))
+    code, _ = outcome(
+        lambda: pair.client.generate(timeout=1.0, model="one", prompt=PROMPT, max_tokens=6000, ignore_eos=True)
+    )
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     # Were either 6000-token generation still running (25 s and more), this would queue behind it and time out.
-    assert outcome(lambda: pair.client.generate(timeout=10, model="one", prompt="x", max_tokens=3))[0] == grpc.StatusCode.OK
+    assert (
+        outcome(lambda: pair.client.generate(timeout=10, model="one", prompt="x", max_tokens=3))[0]
+        == grpc.StatusCode.OK
+    )
 
 
 def test_public_port_already_in_use(tmp_path):
     """The public port already taken: start-up stops with a clear message, no runner started."""
     import socket
+
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         path = tmp_path / "c.toml"
-        path.write_text(f'listen = "127.0.0.1:{port}"\nprobe_port = 0\nruntime_dir = "{tmp_path}/run"\n'
-                        f'[models.m]\ntarget = "{DEFAULT_TARGET}"\n')
+        path.write_text(
+            f'listen = "127.0.0.1:{port}"\nprobe_port = 0\nruntime_dir = "{tmp_path}/run"\n'
+            f'[models.m]\ntarget = "{DEFAULT_TARGET}"\n'
+        )
         done = serve_expecting_refusal(path)
     assert done.returncode == 2 and f"127.0.0.1:{port}" in done.stderr
     assert "runner[" not in done.stderr

@@ -8,8 +8,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from common import cpu_blas
-from runner import row_padding
 from common.defaults import DEFAULT_TARGET
+from runner import row_padding
 from runner.loading import load_model
 
 
@@ -27,7 +27,9 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def both():
     """The default target loaded twice in float32: with the padding forced on, and off."""
-    return load_model(DEFAULT_TARGET, "float32", row_padding=True), load_model(DEFAULT_TARGET, "float32", row_padding=False)
+    return load_model(DEFAULT_TARGET, "float32", row_padding=True), load_model(
+        DEFAULT_TARGET, "float32", row_padding=False
+    )
 
 
 def test_the_rule_applies_on_the_cpu_with_mkl_unless_overridden(monkeypatch):
@@ -43,10 +45,15 @@ def test_every_float_linear_and_embedding_is_padded_and_nothing_else(both):
     padded, plain = both
     kinds = [type(m) for _, m in padded.model.named_modules()]
     # 8 layers x 7 projections, the tied embedding (it is also the output projection); no plain Linear left
-    assert padded.padded_layers == 8 * 7 + 1 == kinds.count(row_padding.PaddedLinear) + kinds.count(
-        row_padding.PaddedEmbedding)
+    assert (
+        padded.padded_layers
+        == 8 * 7 + 1
+        == kinds.count(row_padding.PaddedLinear) + kinds.count(row_padding.PaddedEmbedding)
+    )
     assert nn.Linear not in kinds and nn.Embedding not in kinds
-    assert plain.padded_layers == 0 and row_padding.PaddedLinear not in [type(m) for _, m in plain.model.named_modules()]
+    assert plain.padded_layers == 0 and row_padding.PaddedLinear not in [
+        type(m) for _, m in plain.model.named_modules()
+    ]
 
 
 def test_a_padded_layer_gives_each_row_what_the_plain_layer_gives(both):

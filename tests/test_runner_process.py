@@ -49,10 +49,12 @@ time.sleep(600)
 def test_runner_exits_when_its_parent_is_killed(tmp_path):
     sockets = tmp_path / "sockets"
     args = [sys.executable, "-m", "runner", "--target", str(DEFAULT_TARGET), "--listen", f"unix://{sockets}/r.sock"]
-    parent = subprocess.Popen([sys.executable, "-c", INTERMEDIATE, *args], stdout=subprocess.PIPE,
-                              env=child_environment(), text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", INTERMEDIATE, *args], stdout=subprocess.PIPE, env=child_environment(), text=True
+    )
     runner_pid = int(parent.stdout.readline())
     from common.client import RunnerClient
+
     assert RunnerClient(f"unix://{sockets}/r.sock").wait_serving(60)
     runner = psutil.Process(runner_pid)
     parent.kill()
@@ -81,7 +83,7 @@ def test_corrupt_safetensors_exits_non_zero(tmp_path):
     (broken / "model.safetensors").write_bytes(b"\x00" * 1000)
     code, stderr = start_and_fail(tmp_path, broken)
     assert code == 2
-    line = [l for l in stderr.splitlines() if l.startswith("runner: cannot load model")]
+    line = [text for text in stderr.splitlines() if text.startswith("runner: cannot load model")]
     assert len(line) == 1 and str(broken) in line[0]
 
 
@@ -110,9 +112,10 @@ def test_generated_stubs_match_the_proto(tmp_path):
     written = generate(tmp_path)
     # Every stub of both protos, or a proto that went missing (or a generator that skips it) would pass unseen.
     assert sorted(str(p.relative_to(tmp_path)) for p in written) == [
-        f"{package}/{stem}{suffix}" for package, stem in (("common/protocol", "runner"),
-                                                          ("supervisor/protocol", "supervisor"))
-        for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
+        f"{package}/{stem}{suffix}"
+        for package, stem in (("common/protocol", "runner"), ("supervisor/protocol", "supervisor"))
+        for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+    ]
     for fresh in written:
         committed = REPO / fresh.relative_to(tmp_path)
         assert committed.read_text() == fresh.read_text(), f"{committed} is stale: run make proto"

@@ -8,8 +8,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from common.client import RunnerClient
-from runner.engine import GenerationRequest
 from common.protocol import runner_pb2
+from runner.engine import GenerationRequest
 from tests.helpers import collect
 from tests.processes import RunnerProcess, wait_until
 
@@ -20,8 +20,15 @@ PROMPT = "The for statement is used to iterate over the elements of a sequence"
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    process = RunnerProcess(tmp_path_factory.mktemp("run") / "sockets", "--max-queue", "2", "--max-batch", "2",
-                            "--batch-memory", str(256 * 2**20))  # room for both rows of every test here
+    process = RunnerProcess(
+        tmp_path_factory.mktemp("run") / "sockets",
+        "--max-queue",
+        "2",
+        "--max-batch",
+        "2",
+        "--batch-memory",
+        str(256 * 2**20),
+    )  # room for both rows of every test here
     seen = []
     deadline = time.monotonic() + 60
     # The server listens before the models load. Wait for its socket file, then ask on fresh
@@ -52,8 +59,9 @@ def test_health_goes_from_not_serving_to_serving(runner):
 
 def test_streamed_generation_matches_the_engine_in_process(runner, engine):
     tokens, text, chunks = stream(runner, prompt=PROMPT, max_tokens=300, num_draft_tokens=3, ignore_eos=True)
-    local_tokens, local_text, _ = collect(engine.generate(GenerationRequest(
-        prompt=PROMPT, max_tokens=300, num_draft_tokens=3, ignore_eos=True)))
+    local_tokens, local_text, _ = collect(
+        engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=300, num_draft_tokens=3, ignore_eos=True))
+    )
     assert tokens == local_tokens and text == local_text
     last = chunks[-1]
     assert last.finish_reason == runner_pb2.FINISH_REASON_LENGTH
@@ -68,7 +76,9 @@ def test_streamed_generation_matches_the_engine_in_process(runner, engine):
 
 def test_prompt_ids_and_sampling_fields_travel(runner, engine):
     ids = engine.tokenizer.encode(PROMPT)
-    fields = dict(prompt_ids=ids, max_tokens=40, temperature=0.8, top_k=40, top_p=0.9, min_p=0.01, seed=7, ignore_eos=True)
+    fields = dict(
+        prompt_ids=ids, max_tokens=40, temperature=0.8, top_k=40, top_p=0.9, min_p=0.01, seed=7, ignore_eos=True
+    )
     first, _, _ = stream(runner, **fields)
     again, _, _ = stream(runner, **fields)
     local, _, _ = collect(engine.generate(GenerationRequest(**{**fields, "prompt_ids": tuple(ids)})))
@@ -84,22 +94,25 @@ def test_info_describes_the_pair(runner):
     assert info.max_batch == 2 and info.batch_memory == 256 * 2**20
 
 
-@pytest.mark.parametrize("fields, field_name", [
-    (dict(prompt=""), "prompt"),
-    (dict(prompt="x", prompt_ids=[1, 2]), "prompt"),
-    (dict(prompt="x", max_tokens=0), "max_tokens"),
-    (dict(prompt="x", max_tokens=5, temperature=-1), "temperature"),
-    (dict(prompt="x", max_tokens=5, temperature=float("nan")), "temperature"),
-    (dict(prompt="x", max_tokens=5, top_p=0.0), "top_p"),
-    (dict(prompt="x", max_tokens=5, top_p=2.0), "top_p"),
-    (dict(prompt="x", max_tokens=5, top_k=-3), "top_k"),
-    (dict(prompt="x", max_tokens=5, min_p=-0.5), "min_p"),
-    (dict(prompt="x", max_tokens=5, num_draft_tokens=-1), "num_draft_tokens"),
-    (dict(prompt="x", max_tokens=5, num_draft_tokens=1000), "num_draft_tokens"),
-    (dict(prompt_ids=[1, -4], max_tokens=5), "prompt_ids"),
-    (dict(prompt_ids=[7] * 9000, max_tokens=5), "prompt"),
-    (dict(prompt="x", max_tokens=5, stop=["s"] * 500), "stop"),
-])
+@pytest.mark.parametrize(
+    "fields, field_name",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="x", prompt_ids=[1, 2]), "prompt"),
+        (dict(prompt="x", max_tokens=0), "max_tokens"),
+        (dict(prompt="x", max_tokens=5, temperature=-1), "temperature"),
+        (dict(prompt="x", max_tokens=5, temperature=float("nan")), "temperature"),
+        (dict(prompt="x", max_tokens=5, top_p=0.0), "top_p"),
+        (dict(prompt="x", max_tokens=5, top_p=2.0), "top_p"),
+        (dict(prompt="x", max_tokens=5, top_k=-3), "top_k"),
+        (dict(prompt="x", max_tokens=5, min_p=-0.5), "min_p"),
+        (dict(prompt="x", max_tokens=5, num_draft_tokens=-1), "num_draft_tokens"),
+        (dict(prompt="x", max_tokens=5, num_draft_tokens=1000), "num_draft_tokens"),
+        (dict(prompt_ids=[1, -4], max_tokens=5), "prompt_ids"),
+        (dict(prompt_ids=[7] * 9000, max_tokens=5), "prompt"),
+        (dict(prompt="x", max_tokens=5, stop=["s"] * 500), "stop"),
+    ],
+)
 def test_bad_fields_are_invalid_argument_and_the_runner_keeps_serving(runner, fields, field_name):
     with pytest.raises(grpc.RpcError) as caught:
         stream(runner, **fields)
@@ -122,6 +135,7 @@ def long_request(runner, results, key, tokens=4000, **extra):
             results[key] = stream(runner, prompt=PROMPT, max_tokens=tokens, ignore_eos=True, **extra)
         except grpc.RpcError as error:
             results[key] = error
+
     thread = threading.Thread(target=run)
     thread.start()
     return thread
@@ -139,7 +153,10 @@ def test_a_full_batch_queues_and_overflow_is_resource_exhausted(runner):
     assert wait_until(lambda: memory(runner).queued == 2, 10)
     with pytest.raises(grpc.RpcError) as caught:
         stream(runner, prompt="x", max_tokens=3)
-    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "2 requests already waiting" in caught.value.details()
+    assert (
+        caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "2 requests already waiting" in caught.value.details()
+    )
     for thread in (*running, *waiting):
         thread.join(120)
     assert all(results[f"running{i}"][2][-1].stats.generated_tokens == 1500 for i in range(2))

@@ -10,10 +10,29 @@ from common.settings import RunnerSettings, SettingsError
 from runner.__main__ import parse_args
 
 EVERY_SETTING_CHANGED = RunnerSettings(
-    target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, name="m", drafter="ngram", num_draft_tokens=3, max_draft_tokens=9,
-    ngram_max=5, ngram_min=3, release_interval=128, release_enabled=False, cache_limit=123456, prefill_chunk=512,
-    dtype="float32", max_context=4096, prompt_cache=2**30, batch_memory=2**29, malloc_trim=False, max_queue=7,
-    max_batch=3, stall_after=12.5, grace=3.0, debug_rpcs=True)
+    target=DEFAULT_TARGET,
+    draft=DEFAULT_DRAFT,
+    name="m",
+    drafter="ngram",
+    num_draft_tokens=3,
+    max_draft_tokens=9,
+    ngram_max=5,
+    ngram_min=3,
+    release_interval=128,
+    release_enabled=False,
+    cache_limit=123456,
+    prefill_chunk=512,
+    dtype="float32",
+    max_context=4096,
+    prompt_cache=2**30,
+    batch_memory=2**29,
+    malloc_trim=False,
+    max_queue=7,
+    max_batch=3,
+    stall_after=12.5,
+    grace=3.0,
+    debug_rpcs=True,
+)
 
 
 def test_every_setting_survives_the_command_line():
@@ -30,27 +49,36 @@ def test_defaults_make_no_flags_and_parse_back_to_defaults():
 
 
 def test_a_config_table_gives_the_same_settings_and_keeps_other_keys():
-    table = {"target": str(DEFAULT_TARGET), "num_draft_tokens": "auto", "prompt_cache": "1GiB", "stall_after": "1m",
-             "cache_limit": "unbounded", "keep_alive": "5m"}
+    table = {
+        "target": str(DEFAULT_TARGET),
+        "num_draft_tokens": "auto",
+        "prompt_cache": "1GiB",
+        "stall_after": "1m",
+        "cache_limit": "unbounded",
+        "keep_alive": "5m",
+    }
     settings = RunnerSettings.from_table(table, name="m")
     assert table == {"keep_alive": "5m"}  # not a runner setting: the caller's
     assert settings.target == Path(DEFAULT_TARGET) and settings.num_draft_tokens is None
     assert settings.prompt_cache == 2**30 and settings.stall_after == 60.0 and settings.cache_limit == "unbounded"
 
 
-@pytest.mark.parametrize("table, key, message", [
-    ({"num_draft_tokens": MAX_NUM_DRAFT_TOKENS + 1}, "num_draft_tokens", '"auto" or a number'),
-    ({"max_batch": 0}, "max_batch", "at least 1"),
-    ({"max_batch": "4"}, "max_batch", "expected int, got str"),
-    ({"ngram_min": 5}, "ngram_min", "at most ngram_max"),
-    ({"drafter": "model"}, "drafter", "needs a draft"),
-    ({"drafter": "oracle"}, "drafter", "is not one of model, ngram, none"),
-    ({"dtype": "int3"}, "dtype", "is not one of"),
-    ({"prompt_cache": "lots"}, "prompt_cache", "is not a size"),
-    ({"stall_after": "soon"}, "stall_after", "is not a duration"),
-    ({"max_context": 1}, "max_context", "at least 2"),
-    ({"release_enabled": "yes"}, "release_enabled", "expected bool"),
-])
+@pytest.mark.parametrize(
+    "table, key, message",
+    [
+        ({"num_draft_tokens": MAX_NUM_DRAFT_TOKENS + 1}, "num_draft_tokens", '"auto" or a number'),
+        ({"max_batch": 0}, "max_batch", "at least 1"),
+        ({"max_batch": "4"}, "max_batch", "expected int, got str"),
+        ({"ngram_min": 5}, "ngram_min", "at most ngram_max"),
+        ({"drafter": "model"}, "drafter", "needs a draft"),
+        ({"drafter": "oracle"}, "drafter", "is not one of model, ngram, none"),
+        ({"dtype": "int3"}, "dtype", "is not one of"),
+        ({"prompt_cache": "lots"}, "prompt_cache", "is not a size"),
+        ({"stall_after": "soon"}, "stall_after", "is not a duration"),
+        ({"max_context": 1}, "max_context", "at least 2"),
+        ({"release_enabled": "yes"}, "release_enabled", "expected bool"),
+    ],
+)
 def test_each_mistake_is_one_error_naming_its_key(table, key, message):
     with pytest.raises(SettingsError) as error:
         RunnerSettings.from_table({"target": str(DEFAULT_TARGET), **table})

@@ -12,11 +12,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner.decoders import PlainDecoder, SpeculativeDecoder
 from common.defaults import DEFAULT_DRAFT, SMOLLM2_DIR
+from common.settings import RunnerSettings
+from runner.decoders import PlainDecoder, SpeculativeDecoder
 from runner.depth import DepthController, FixedDepth
 from runner.drafters import NgramDrafter
-from common.settings import RunnerSettings
 from runner.engine import Engine
 from runner.prefill import PrefillPlanner
 from runner.request import GenerationRequest
@@ -26,15 +26,20 @@ from tests.test_engine_sampling import CHI2_CRITICAL_DF5, chi_square
 
 PROSE = "The for statement is used to iterate over the elements of a sequence"
 # Input-grounded: the answer copies from the prompt.
-GROUNDED = ("Repeat this list, in the same order:\n- for statements iterate over sequences\n"
-            "- while statements repeat while a condition holds\n- break leaves the loop\n"
-            "- continue goes on with the next iteration\nThe list again:\n- for statements")
+GROUNDED = (
+    "Repeat this list, in the same order:\n- for statements iterate over sequences\n"
+    "- while statements repeat while a condition holds\n- break leaves the loop\n"
+    "- continue goes on with the next iteration\nThe list again:\n- for statements"
+)
 TOKENS = 300
 
 
 def greedy(engine, prompt, **fields):
-    tokens, _, last = collect(engine.generate(GenerationRequest(prompt=prompt, max_tokens=TOKENS, ignore_eos=True,
-                                                                cache_prompt=False, **fields)))
+    tokens, _, last = collect(
+        engine.generate(
+            GenerationRequest(prompt=prompt, max_tokens=TOKENS, ignore_eos=True, cache_prompt=False, **fields)
+        )
+    )
     return tokens, last.stats
 
 
@@ -59,7 +64,8 @@ def test_greedy_with_the_adaptive_depth_equals_plain(engine, plain, drafter):
         tokens, stats = greedy(engine, prompt, drafter=drafter)
         assert tokens == expected
         assert sum(stats.depths.values()) == stats.rounds and stats.drafted == sum(
-            depth * rounds for depth, rounds in stats.depths.items())
+            depth * rounds for depth, rounds in stats.depths.items()
+        )
         assert len(stats.depths) >= 2  # it tried more than one depth
 
 
@@ -72,9 +78,10 @@ def test_the_plain_rounds_of_a_speculative_decoder_equal_plain_decoding(engine, 
     ids = engine.tokenizer.encode(PROSE)
     params = SamplingParams()
     results = []
-    for decoder in (PlainDecoder(engine.target.model, ids, params, mx.random.key(0)),
-                    SpeculativeDecoder(engine.target.model, ids, params, mx.random.key(0),
-                                       NgramDrafter(ids), FixedDepth(k))):
+    for decoder in (
+        PlainDecoder(engine.target.model, ids, params, mx.random.key(0)),
+        SpeculativeDecoder(engine.target.model, ids, params, mx.random.key(0), NgramDrafter(ids), FixedDepth(k)),
+    ):
         planner = PrefillPlanner(heads=6)
         while not decoder.prefill_step(planner):
             pass
@@ -228,8 +235,19 @@ def test_depth_controller_does_not_time_an_untimed_round():
 
 def test_sampled_speculation_with_ngram_is_reproducible_with_a_seed(engine):
     def sample(seed):
-        return collect(engine.generate(GenerationRequest(prompt=GROUNDED, max_tokens=60, temperature=0.8, seed=seed,
-                                                         drafter="ngram", ignore_eos=True, cache_prompt=False)))[0]
+        return collect(
+            engine.generate(
+                GenerationRequest(
+                    prompt=GROUNDED,
+                    max_tokens=60,
+                    temperature=0.8,
+                    seed=seed,
+                    drafter="ngram",
+                    ignore_eos=True,
+                    cache_prompt=False,
+                )
+            )
+        )[0]
 
     assert sample(5) == sample(5)
     assert any(sample(s) != sample(5) for s in (6, 7))
@@ -244,13 +262,22 @@ def hybrid(tmp_path_factory):
     return Engine.load(folder, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0))
 
 
-@pytest.mark.parametrize("fields", [dict(drafter="model", num_draft_tokens=1), dict(drafter="model", num_draft_tokens=4),
-                                    dict(drafter="model"), dict(drafter="ngram", num_draft_tokens=3)])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(drafter="model", num_draft_tokens=1),
+        dict(drafter="model", num_draft_tokens=4),
+        dict(drafter="model"),
+        dict(drafter="ngram", num_draft_tokens=3),
+    ],
+)
 def test_hybrid_model_speculates_by_restoring_its_recurrent_state(hybrid, fields):
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
     assert hybrid.speculative and hybrid.target.rewindable
-    assert not can_trim_prompt_cache(make_prompt_cache(hybrid.target.model))  # ArraysCache layers: restored, not trimmed
+    assert not can_trim_prompt_cache(
+        make_prompt_cache(hybrid.target.model)
+    )  # ArraysCache layers: restored, not trimmed
     expected, _ = greedy(hybrid, GROUNDED, drafter="none")
     tokens, stats = greedy(hybrid, GROUNDED, **fields)
     assert tokens == expected
@@ -260,10 +287,17 @@ def test_hybrid_model_speculates_by_restoring_its_recurrent_state(hybrid, fields
 def test_smollm2_ngram_drafting_on_a_grounded_prompt_equals_plain():
     engine = Engine.load(SMOLLM2_DIR, None, RunnerSettings(prompt_cache=0))
     assert engine.default_drafter == "ngram"
-    messages = (("user", GROUNDED.removesuffix("The list again:\n- for statements")
-                 + "Now repeat the list exactly, one item a line."),)
-    run = lambda **f: collect(engine.generate(GenerationRequest(messages=messages, max_tokens=60, cache_prompt=False,
-                                                                **f)))
+    messages = (
+        (
+            "user",
+            GROUNDED.removesuffix("The list again:\n- for statements")
+            + "Now repeat the list exactly, one item a line.",
+        ),
+    )
+
+    def run(**f):
+        return collect(engine.generate(GenerationRequest(messages=messages, max_tokens=60, cache_prompt=False, **f)))
+
     expected, _, _ = run(drafter="none")
     tokens, _, last = run()  # the default: n-gram lookup, adaptive depth (its choices depend on timing)
     assert tokens == expected and last.stats.drafter == "ngram"

@@ -99,8 +99,13 @@ def test_the_cycle_check_finds_a_cycle():
 
 
 def layer_violations(edges, layer: str, forbidden: tuple[str, ...]) -> list[str]:
-    return sorted(f"{name} imports {target}" for name, targets in edges.items()
-                  if name.split(".")[0] == layer for target in targets if target.split(".")[0] in forbidden)
+    return sorted(
+        f"{name} imports {target}"
+        for name, targets in edges.items()
+        if name.split(".")[0] == layer
+        for target in targets
+        if target.split(".")[0] in forbidden
+    )
 
 
 def test_the_shared_layer_and_the_supervisor_never_import_mlx_or_the_runner():
@@ -125,6 +130,13 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("mlx", "ml
 
 
 def test_importing_every_supervisor_module_loads_no_mlx():
-    done = subprocess.run([sys.executable, "-c", IMPORT_EVERY_SUPERVISOR_MODULE], capture_output=True, text=True,
-                          timeout=60, env=child_environment(), cwd=REPO, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_EVERY_SUPERVISOR_MODULE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_environment(),
+        cwd=REPO,
+        check=True,
+    )
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []

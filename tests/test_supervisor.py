@@ -21,8 +21,9 @@ PROMPT = "The for statement is used to iterate over the elements of a sequence"
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
     # beta's MLX thread counts as hung after 1 s without progress (the default is 30 s)
-    sup = SupervisorProcess(tmp_path_factory.mktemp("two"),
-                            model_toml("alpha") + model_toml("beta", stall_after="1s")).wait_ready()
+    sup = SupervisorProcess(
+        tmp_path_factory.mktemp("two"), model_toml("alpha") + model_toml("beta", stall_after="1s")
+    ).wait_ready()
     yield sup
     assert sup.stop() == 0
 
@@ -50,8 +51,12 @@ def test_both_models_generate_at_once_and_report_memory(two_models):
     assert {m.state for m in models.values()} == {supervisor_pb2.RUNNER_STATE_SERVING}
     assert models["alpha"].pid != models["beta"].pid and models["alpha"].pid in sup.runner_pids()
     # warm-up's release, the boundary at 256 and the end of the request, once the watch samples again
-    assert wait_until(lambda: all(m.memory.history_samples > 1 and m.memory.mlx_releases >= 3
-                                  for m in sup.client.get_memory().models), 10)
+    assert wait_until(
+        lambda: all(
+            m.memory.history_samples > 1 and m.memory.mlx_releases >= 3 for m in sup.client.get_memory().models
+        ),
+        10,
+    )
     for m in sup.client.get_memory().models:
         s = m.memory
         assert s.rss > s.anonymous > s.mlx_active > 0
@@ -160,8 +165,10 @@ def test_sigterm_ends_a_stream_that_outlives_the_grace_with_a_clear_status(tmp_p
 
 
 def test_memory_limits_release_and_restart(tmp_path):
-    models = (model_toml("soft", soft_limit=1, prompt_cache="64MiB")  # always over: emptied and released, not restarted
-              + model_toml("leaky", cache_limit="unbounded", release_enabled=False, hard_limit="300MiB"))
+    models = (
+        model_toml("soft", soft_limit=1, prompt_cache="64MiB")  # always over: emptied and released, not restarted
+        + model_toml("leaky", cache_limit="unbounded", release_enabled=False, hard_limit="300MiB")
+    )
     sup = SupervisorProcess(tmp_path, models).wait_ready()
     try:
         assert wait_until(lambda: sup.client.model("soft").memory.mlx_releases >= 3, 30)
@@ -169,7 +176,7 @@ def test_memory_limits_release_and_restart(tmp_path):
         # A request leaves its KV cache in the prompt cache; the policy empties it first, then releases the pool.
         generate(sup, model="soft", prompt=PROMPT * 20, max_tokens=20, ignore_eos=True)
         assert wait_until(lambda: "evicted 1 prompt-cache entries" in sup.stderr, 15, interval=0.2), sup.stderr[-2000:]
-        line = next(l for l in sup.stderr.splitlines() if "evicted 1 prompt-cache entries" in l)
+        line = next(text for text in sup.stderr.splitlines() if "evicted 1 prompt-cache entries" in text)
         assert line.index("evicted 1 prompt-cache entries") < line.index("then released the pool")
         assert wait_until(lambda: sup.client.model("soft").memory.prompt_cache.entries == 0, 5)
         soft = sup.client.model("soft").memory
@@ -261,11 +268,13 @@ def test_runner_that_cannot_start_ends_failed_while_the_other_serves(tmp_path):
 
 
 def test_hung_runner_is_detected_killed_and_restarted(tmp_path):
-    from common.protocol import runner_pb2
     from common.client import RunnerClient
+    from common.protocol import runner_pb2
 
     models = model_toml("stuck", debug_rpcs=True, stall_after=1.0) + model_toml("fine")
-    sup = SupervisorProcess(tmp_path, models, health_period="0.3s", health_deadline="0.5s", health_misses=3).wait_ready()
+    sup = SupervisorProcess(
+        tmp_path, models, health_period="0.3s", health_deadline="0.5s", health_misses=3
+    ).wait_ready()
     try:
         before = sup.client.model("stuck")
         with RunnerClient(f"unix://{sup.runtime_dir}/stuck.sock") as runner:
@@ -290,8 +299,13 @@ def test_client_cli(two_models):
     address = f"127.0.0.1:{two_models.port}"
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "supervisor", *args, "--address", address],
-                              capture_output=True, text=True, timeout=120, env=child_environment())
+        return subprocess.run(
+            [sys.executable, "-m", "supervisor", *args, "--address", address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=child_environment(),
+        )
 
     expected, _ = generate(two_models, model="beta", prompt=PROMPT, max_tokens=30)
     done = cli("generate", "--model", "beta", "--max-tokens", "30", PROMPT)

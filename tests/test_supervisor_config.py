@@ -3,8 +3,7 @@
 import pytest
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from supervisor.config import (ConfigError, default_config, from_dict, load, parse_duration, parse_size,
-                               resolve_gguf)
+from supervisor.config import ConfigError, default_config, from_dict, load, parse_duration, parse_size, resolve_gguf
 from tests.processes import REPO, SupervisorProcess, serve_expecting_refusal, terminate
 
 GOOD = {"models": {"m": {"target": str(DEFAULT_TARGET), "draft": str(DEFAULT_DRAFT)}}}
@@ -39,25 +38,28 @@ def test_zero_config_serves_the_default_pair_on_loopback():
     assert config.models["default"].target == DEFAULT_TARGET and config.listen.startswith("127.0.0.1:")
 
 
-@pytest.mark.parametrize("data, key", [
-    ({}, "models"),
-    ({**GOOD, "colour": "blue"}, "colour"),
-    (with_model(flavour=1), "models.m.flavour"),
-    ({"models": {"m": {}}}, "models.m.target"),
-    (with_model(target="/no/such/folder"), "models.m.target"),
-    (with_model(draft="/no/such/draft"), "models.m.draft"),
-    (with_model(num_draft_tokens=-1), "models.m.num_draft_tokens"),
-    (with_model(num_draft_tokens="three"), "models.m.num_draft_tokens"),
-    (with_model(soft_limit="lots"), "models.m.soft_limit"),
-    (with_model(soft_limit="2GiB", hard_limit="1GiB"), "models.m.soft_limit"),
-    (with_model(keep_alive="forever"), "models.m.keep_alive"),
-    (with_model(release_interval=0), "models.m.release_interval"),
-    ({**GOOD, "listen": "0.0.0.0:6000"}, "listen"),
-    ({**GOOD, "probe_port": 70000}, "probe_port"),
-    ({**GOOD, "max_restarts": 0}, "max_restarts"),
-    ({**GOOD, "tls_cert": "cert.pem"}, "tls_cert"),
-    ({"models": {"bad name!": {"target": str(DEFAULT_TARGET)}}}, "models.bad name!"),
-])
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({}, "models"),
+        ({**GOOD, "colour": "blue"}, "colour"),
+        (with_model(flavour=1), "models.m.flavour"),
+        ({"models": {"m": {}}}, "models.m.target"),
+        (with_model(target="/no/such/folder"), "models.m.target"),
+        (with_model(draft="/no/such/draft"), "models.m.draft"),
+        (with_model(num_draft_tokens=-1), "models.m.num_draft_tokens"),
+        (with_model(num_draft_tokens="three"), "models.m.num_draft_tokens"),
+        (with_model(soft_limit="lots"), "models.m.soft_limit"),
+        (with_model(soft_limit="2GiB", hard_limit="1GiB"), "models.m.soft_limit"),
+        (with_model(keep_alive="forever"), "models.m.keep_alive"),
+        (with_model(release_interval=0), "models.m.release_interval"),
+        ({**GOOD, "listen": "0.0.0.0:6000"}, "listen"),
+        ({**GOOD, "probe_port": 70000}, "probe_port"),
+        ({**GOOD, "max_restarts": 0}, "max_restarts"),
+        ({**GOOD, "tls_cert": "cert.pem"}, "tls_cert"),
+        ({"models": {"bad name!": {"target": str(DEFAULT_TARGET)}}}, "models.bad name!"),
+    ],
+)
 def test_mistakes_name_their_key(tmp_path, data, key):
     with pytest.raises(ConfigError) as caught:
         from_dict(data, tmp_path)
@@ -65,22 +67,38 @@ def test_mistakes_name_their_key(tmp_path, data, key):
     assert str(caught.value).startswith(f"config: {key}: ")
 
 
-@pytest.mark.parametrize("key, address", [("listen", "0.0.0.0:6000"), ("listen", "192.0.2.7:6000"),
-                                          ("listen", "[::]:6000"), ("http_listen", "0.0.0.0:8080"),
-                                          ("http_listen", "[2001:db8::1]:8080")])
+@pytest.mark.parametrize(
+    "key, address",
+    [
+        ("listen", "0.0.0.0:6000"),
+        ("listen", "192.0.2.7:6000"),
+        ("listen", "[::]:6000"),
+        ("http_listen", "0.0.0.0:8080"),
+        ("http_listen", "[2001:db8::1]:8080"),
+    ],
+)
 def test_remote_listen_needs_allow_remote(tmp_path, key, address):
     with pytest.raises(ConfigError) as caught:
         from_dict({**GOOD, key: address}, tmp_path)
     assert caught.value.key == key
-    assert str(caught.value) == (f"config: {key}: {address} is not a loopback address: "
-                                 "set allow_remote = true to bind it")
+    assert str(caught.value) == (
+        f"config: {key}: {address} is not a loopback address: set allow_remote = true to bind it"
+    )
     config = from_dict({**GOOD, key: address, "allow_remote": True, "auth_token": "t"}, tmp_path)
     assert getattr(config, key) == address and config.allow_remote and config.auth_token == "t"
 
 
-@pytest.mark.parametrize("key, address", [("listen", "127.0.0.1:6000"), ("listen", "localhost:6000"),
-                                          ("listen", "[::1]:6000"), ("listen", "unix:///tmp/mlxserve.sock"),
-                                          ("http_listen", "127.0.0.2:8080"), ("http_listen", "")])
+@pytest.mark.parametrize(
+    "key, address",
+    [
+        ("listen", "127.0.0.1:6000"),
+        ("listen", "localhost:6000"),
+        ("listen", "[::1]:6000"),
+        ("listen", "unix:///tmp/mlxserve.sock"),
+        ("http_listen", "127.0.0.2:8080"),
+        ("http_listen", ""),
+    ],
+)
 def test_loopback_listen_needs_no_allow_remote(tmp_path, key, address):
     assert getattr(from_dict({**GOOD, key: address}, tmp_path), key) == address
 
@@ -95,7 +113,9 @@ def test_bad_config_stops_start_up_with_one_message_and_starts_nothing(tmp_path)
     path.write_text(f'[models.m]\ntarget = "{DEFAULT_TARGET}"\nhard_limit = "very big"\n')
     done = serve_expecting_refusal(path)
     assert done.returncode == 2
-    assert done.stderr.strip() == "supervisor: config: models.m.hard_limit: 'very big' is not a size such as 512MiB or 2GB"
+    assert (
+        done.stderr.strip() == "supervisor: config: models.m.hard_limit: 'very big' is not a size such as 512MiB or 2GB"
+    )
     assert "runner" not in done.stderr
 
 
@@ -103,8 +123,10 @@ def test_unwritable_runtime_dir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     path = tmp_path / "c.toml"
-    path.write_text(f'runtime_dir = "{blocker}/run"\nprobe_port = 0\nlisten = "127.0.0.1:0"\n'
-                    f'[models.m]\ntarget = "{DEFAULT_TARGET}"\n')
+    path.write_text(
+        f'runtime_dir = "{blocker}/run"\nprobe_port = 0\nlisten = "127.0.0.1:0"\n'
+        f'[models.m]\ntarget = "{DEFAULT_TARGET}"\n'
+    )
     done = serve_expecting_refusal(path)
     assert done.returncode == 2 and f"runtime_dir {blocker}/run is not usable" in done.stderr
 
@@ -117,7 +139,9 @@ def test_public_generate_request_shares_the_runner_fields():
     def fields(descriptor, skip=()):
         return {(f.name, f.number, f.type, f.has_presence) for f in descriptor.fields if f.name not in skip}
 
-    assert fields(supervisor_pb2.GenerateRequest.DESCRIPTOR, skip=("model",)) == fields(runner_pb2.GenerateRequest.DESCRIPTOR)
+    assert fields(supervisor_pb2.GenerateRequest.DESCRIPTOR, skip=("model",)) == fields(
+        runner_pb2.GenerateRequest.DESCRIPTOR
+    )
 
 
 SMOLLM2_GGUF = REPO / ".whl" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # from make real-model
@@ -155,12 +179,16 @@ def test_a_gguf_the_importer_refuses_is_a_config_error_naming_the_key(tmp_path):
 
 def test_the_supervisor_serves_a_gguf_file_named_in_its_config(tmp_path):
     """What a user with a GGUF download does: name the file in the config and ask the model."""
-    supervisor = SupervisorProcess(tmp_path, f'[models.smol]\ntarget = "{SMOLLM2_GGUF}"\n',
-                                   gguf_cache_dir=str(tmp_path / "cache")).wait_ready(180)
+    supervisor = SupervisorProcess(
+        tmp_path, f'[models.smol]\ntarget = "{SMOLLM2_GGUF}"\n', gguf_cache_dir=str(tmp_path / "cache")
+    ).wait_ready(180)
     try:
         reply = supervisor.openai().chat.completions.create(
-            model="smol", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12,
-            temperature=0)
+            model="smol",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=12,
+            temperature=0,
+        )
     finally:
         assert terminate(supervisor.process, 30) == 0
     assert "Paris" in reply.choices[0].message.content
