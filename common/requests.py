@@ -130,17 +130,23 @@ def check_message(message) -> None:
             field,
             f"the request is {size} bytes, more than the {MAX_REQUEST_BYTES} a request may be: the prompt is too long",
         )
-    check_fields(
+    check_fields(**fields_of(message))
+
+
+def fields_of(message) -> dict:
+    """A GenerateRequest message's fields as ``check_fields`` (and the runner's ``GenerationRequest``) take them:
+    unset optional fields as their defaults, repeated ones as tuples, messages as (role, content) pairs."""
+    return dict(
         prompt=message.prompt,
-        prompt_ids=message.prompt_ids,
-        messages=[(m.role, m.content) for m in message.messages],
+        prompt_ids=tuple(message.prompt_ids),
+        messages=tuple((m.role, m.content) for m in message.messages),
         max_tokens=message.max_tokens,
         temperature=message.temperature,
         top_k=message.top_k,
         top_p=message.top_p if message.HasField("top_p") else 1.0,
         min_p=message.min_p,
         seed=message.seed if message.HasField("seed") else None,
-        stop=message.stop,
+        stop=tuple(message.stop),
         num_draft_tokens=message.num_draft_tokens if message.HasField("num_draft_tokens") else None,
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,

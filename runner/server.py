@@ -23,6 +23,7 @@ from common import __version__
 from common.defaults import CHANNEL_OPTIONS, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_STALL_AFTER
 from common.errors import NotReady
 from common.protocol import runner_pb2, runner_pb2_grpc
+from common.requests import fields_of
 from common.status import ServiceError, StatusInterceptor
 
 from .engine import Engine
@@ -37,25 +38,7 @@ SERVICE_NAME = runner_pb2.DESCRIPTOR.services_by_name["Runner"].full_name
 
 
 def request_from_proto(message: runner_pb2.GenerateRequest) -> GenerationRequest:
-    return GenerationRequest(
-        prompt=message.prompt,
-        prompt_ids=tuple(message.prompt_ids),
-        max_tokens=message.max_tokens,
-        temperature=message.temperature,
-        top_k=message.top_k,
-        top_p=message.top_p if message.HasField("top_p") else 1.0,
-        min_p=message.min_p,
-        seed=message.seed if message.HasField("seed") else None,
-        stop=tuple(message.stop),
-        num_draft_tokens=message.num_draft_tokens if message.HasField("num_draft_tokens") else None,
-        ignore_eos=message.ignore_eos,
-        request_id=message.request_id,
-        messages=tuple((m.role, m.content) for m in message.messages),
-        chat_template_kwargs=message.chat_template_kwargs,
-        logprobs=message.logprobs,
-        top_logprobs=message.top_logprobs,
-        drafter=message.drafter,
-    )
+    return GenerationRequest(**fields_of(message), ignore_eos=message.ignore_eos, request_id=message.request_id)
 
 
 def stats_to_proto(s: GenerationStats) -> runner_pb2.GenerationStats:
