@@ -99,6 +99,11 @@ class PromptCache:
     def entries(self) -> int:
         return len(self._entries)
 
+    def contents(self) -> list[tuple[list[int], list[int]]]:
+        """What it holds, oldest first: each entry's tokens and how many tokens each layer of its target cache
+        holds (for Info-like reports and tests: a stored cache should hold exactly its entry's tokens)."""
+        return [(list(e.tokens), [layer.offset for layer in e.caches[0]]) for e in self._entries.values()]
+
     @property
     def enabled(self) -> bool:
         return self.budget > 0

@@ -121,6 +121,12 @@ class MlxWorker:
     def active(self) -> int:
         return len(self._active)
 
+    @property
+    def departures(self) -> int:
+        """Times rows left the batch, each time one copy of the batched cache (rows that end at one step leave
+        together)."""
+        return self._batch.departures
+
     def stop(self, cancel_running: bool) -> None:
         """Take no new work; cancel the waiting jobs (and the running ones if asked)."""
         with self._lock:

@@ -17,7 +17,6 @@ import pytest
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from common.requests import FinishReason
 from common.settings import CACHE_LIMIT_UNBOUNDED, RunnerSettings
-from runner.batch import Batch
 from runner.engine import Engine
 from runner.prefill import PrefillPlanner, joint_groups
 from runner.request import GenerationRequest
@@ -56,19 +55,6 @@ def alone(engine, **fields):
 
 def submit(worker, engine, **fields):
     return worker.submit(engine.prepare(GenerationRequest(**{"ignore_eos": True, "cache_prompt": False, **fields})))
-
-
-def stores_of(prompt_cache) -> list:
-    """What each finished request hands ``prompt_cache.store`` from now on: (its tokens, the offset of each of
-    the target's cache layers), as stored."""
-    stored, store = [], prompt_cache.store
-
-    def spy(tokens, caches):
-        stored.append((list(tokens), [layer.offset for layer in caches[0]]))
-        return store(tokens, caches)
-
-    prompt_cache.store = spy
-    return stored
 
 
 def results(job):
@@ -156,7 +142,6 @@ def test_a_request_ended_in_a_batch_feeds_the_prompt_cache_exactly():
     worker = MlxWorker(engine, max_queue=8, max_batch=4)
     worker.start()
     try:
-        stored = stores_of(engine.prompt_cache)
         prompt = engine.tokenizer.encode(PROMPTS[0])
         jobs = [
             worker.submit(engine.prepare(GenerationRequest(prompt_ids=tuple(prompt), max_tokens=40, ignore_eos=True)))
@@ -166,8 +151,7 @@ def test_a_request_ended_in_a_batch_feeds_the_prompt_cache_exactly():
         for job in jobs[1:]:
             results(job)
         assert last.stats.depths.get(0, 0) >= 20  # it decoded in the batch
-        ((tokens, offsets),) = stored  # the one request that keeps its prompt (the others did not ask)
-        assert engine.prompt_cache.entries == 1
+        ((tokens, offsets),) = engine.prompt_cache.contents()  # the one that keeps its prompt (the others did not ask)
         assert tokens == prompt + first[:-1]  # all but the last token, which no forward pass has fed
         assert offsets == [len(tokens)] * len(offsets)  # its caches hold exactly those tokens
         follow_up = tuple(prompt + first + engine.tokenizer.encode(" The else clause"))
@@ -182,7 +166,7 @@ def test_a_request_ended_in_a_batch_feeds_the_prompt_cache_exactly():
         worker.join(10)
 
 
-def test_requests_that_end_at_the_same_step_leave_the_batch_together(monkeypatch):
+def test_requests_that_end_at_the_same_step_leave_the_batch_together():
     """A burst of equal requests ends at one step: they leave in one copy of the batched cache (not one copy
     each), each keeps exactly its own cache for the prompt cache when it asked for it, and the row that
     stays goes on as alone."""
@@ -192,15 +176,6 @@ def test_requests_that_end_at_the_same_step_leave_the_batch_together(monkeypatch
     try:
         prompts = [tuple(engine.tokenizer.encode(p)) for p in PROMPTS[:3]]
         expected = alone(engine, prompt_ids=prompts[2], max_tokens=100, drafter="none")[0]
-        stored = stores_of(engine.prompt_cache)
-        leaving = []  # the prompts of the rows that left the batch, one list per copy of its cache
-        leave = Batch.leave
-
-        def counted_leave(batch, sessions, give_back):
-            leaving.append([tuple(s.prepared.prompt_ids) for s in sessions])
-            return leave(batch, sessions, give_back)
-
-        monkeypatch.setattr(Batch, "leave", counted_leave)
         hold = threading.Event()
         worker.call(hold.wait)  # admitted at one turn: prefilled together, so the two short ones end together
         jobs = [
@@ -212,13 +187,12 @@ def test_requests_that_end_at_the_same_step_leave_the_batch_together(monkeypatch
         hold.set()
         got = [results(job) for job in jobs]
         assert all(g[2].stats.depths.get(0, 0) >= 30 for g in got)  # all three decoded in the batch
-        # The two together, in one copy, then the last one to go on alone.
-        assert [sorted(rows) for rows in leaving] == [sorted(prompts[:2]), [prompts[2]]]
+        # The two together, in one copy, then the last one to go on alone: two copies, not three.
+        assert worker.departures == 2
         assert got[2][0] == expected
-        ((tokens, offsets),) = stored  # the one that asked; the other did not
+        ((tokens, offsets),) = engine.prompt_cache.contents()  # the one that asked; the other did not
         assert tokens == list(prompts[0]) + got[0][0][:-1]
         assert offsets == [len(tokens)] * len(offsets)
-        assert engine.prompt_cache.entries == 1
     finally:
         worker.stop(cancel_running=True)
         worker.join(10)
