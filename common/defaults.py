@@ -13,7 +13,7 @@ DEFAULT_DRAFT = MODELS_DIR / "default" / "draft"
 SMOLLM2_DIR = MODELS_DIR / "smollm2"  # make real-model (outside git)
 
 # Decoding.
-DEFAULT_NUM_DRAFT_TOKENS = 1  # best fixed k in bench/engine.py on the default pair; seeded sampling uses it
+DEFAULT_NUM_DRAFT_TOKENS = 1  # best fixed k in bench/speculation.py on the default pair; seeded sampling uses it
 MAX_NUM_DRAFT_TOKENS = 16
 DEFAULT_MAX_DRAFT_TOKENS = 6  # the deepest round the adaptive depth tries
 DEFAULT_NGRAM_MAX = 4  # prompt lookup: the longest suffix it matches...
