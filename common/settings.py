@@ -3,8 +3,9 @@
 ``RunnerSettings`` names every setting of one runner process, with its default and its check, once. The
 supervisor reads a model's table of the TOML config into it (``from_table``), turns it into the runner's
 command line (``to_argv``: ``--key-with-dashes VALUE`` for each value that is not the default), and the runner
-parses that back (``from_argv``) into the same object, which its engine, worker and gRPC server read. A person
-starting a runner by hand uses the same flags. Every problem is one ``SettingsError`` naming the key.
+parses that back (``add_arguments``, ``from_namespace``) into the same object, which its engine, worker and gRPC
+server read. A person starting a runner by hand uses the same flags. Every problem is one ``SettingsError``
+naming the key.
 
 Sizes take a number of bytes or a string such as ``512MiB`` or ``2GB``; durations a number of seconds or a
 string such as ``30s`` or ``5m``. Importable without MLX.
@@ -92,15 +93,17 @@ def parse_duration(key: str, value) -> float:
     return float(match.group(1)) * _SECONDS[match.group(2)]
 
 
-def _typed(kind):
-    def parse(key: str, value):
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            raise SettingsError(key, f"expected {kind.__name__}, got {type(value).__name__}")
-        return value
+def check_type(key: str, value, kind: type):
+    """``value`` as a ``kind`` (an int is a float too, a bool is no number), else SettingsError."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise SettingsError(key, f"expected {kind.__name__}, got {type(value).__name__}")
+    return value
 
-    return parse
+
+def _typed(kind: type):
+    return lambda key, value: check_type(key, value, kind)
 
 
 def _path(key: str, value) -> Path:
@@ -270,25 +273,22 @@ class RunnerSettings:
 
     @classmethod
     def from_table(cls, table: dict, **given) -> RunnerSettings:
-        """Read the keys of ``table`` that are settings (a model's config table); ``table`` keeps the rest.
-        ``given``: settings the caller sets itself (the name, the grace)."""
-        values = dict(given)
-        for key in cls.config_keys():
-            if key in table:
-                values[key] = _PARSERS[_kind(key)](key, table.pop(key))
-        return cls(**values)
+        """Read the keys of ``table`` that are settings (a model's config table; each value is parsed and checked
+        once, by ``__post_init__``); ``table`` keeps the rest. ``given``: settings the caller sets itself (the
+        name, the grace)."""
+        return cls(**given, **{key: table.pop(key) for key in cls.config_keys() if key in table})
 
     # -- the runner's command line ----------------------------------------------------------------------
 
     def to_argv(self) -> list[str]:
         """``--key-with-dashes VALUE`` for every setting that is not its default (booleans ``--key`` or
-        ``--no-key``); ``from_argv`` reads it back into an equal object."""
+        ``--no-key``); ``add_arguments`` and ``from_namespace`` read it back into an equal object."""
         argv = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value == f.default:
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flag = _flag(f.name)
             if isinstance(value, bool):
                 argv.append(flag if value else "--no-" + flag[2:])
             else:
@@ -299,7 +299,7 @@ class RunnerSettings:
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("settings (also the keys of a model's table in the supervisor's config)")
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flag = _flag(f.name)
             default = "auto" if f.name == "num_draft_tokens" else f.default
             if f.metadata["kind"] == "bool":
                 group.add_argument(
@@ -316,31 +316,24 @@ class RunnerSettings:
 
     @classmethod
     def from_namespace(cls, namespace: argparse.Namespace) -> RunnerSettings:
+        """The settings ``add_arguments`` parsed; a SettingsError names the flag."""
         values = {}
         for f in dataclasses.fields(cls):
             value = getattr(namespace, f.name)
-            if value is None or isinstance(value, bool):
-                if value is not None:
-                    values[f.name] = value
+            if value is None:
                 continue
-            flag = "--" + f.name.replace("_", "-")
             convert = _FROM_TEXT.get(f.metadata["kind"])
-            try:
-                value = convert(value) if convert else value
-            except ValueError:
-                raise SettingsError(flag, f"{value!r} is not a valid {f.metadata['kind']}") from None
-            try:
-                values[f.name] = _PARSERS[f.metadata["kind"]](flag, value)
-            except SettingsError as error:
-                raise SettingsError(flag, error.message) from None
-        return cls(**values)
-
-    @classmethod
-    def from_argv(cls, argv: list[str]) -> RunnerSettings:
-        parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-        cls.add_arguments(parser)
-        return cls.from_namespace(parser.parse_args(argv))
+            if convert is not None and isinstance(value, str):
+                try:
+                    value = convert(value)
+                except ValueError:
+                    raise SettingsError(_flag(f.name), f"{value!r} is not a valid {f.metadata['kind']}") from None
+            values[f.name] = value
+        try:
+            return cls(**values)
+        except SettingsError as error:
+            raise SettingsError(_flag(error.key), error.message) from None
 
 
-def _kind(name: str) -> str:
-    return RunnerSettings.__dataclass_fields__[name].metadata["kind"]
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_GRACE, DEFAULT_TARGET, SMOLLM2_DIR
 from common.logs import LOG_FORMATS
-from common.settings import RunnerSettings, SettingsError
+from common.settings import RunnerSettings, SettingsError, check_type
 from common.settings import parse_duration as _duration
 from common.settings import parse_size as _size
 
@@ -139,12 +139,10 @@ def parse_duration(key: str, value) -> float:
 def _take(table: dict, key: str, prefix: str, kind, default):
     if key not in table:
         return default
-    value = table.pop(key)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{prefix}{key}", f"expected {kind.__name__}, got {type(value).__name__}")
-    return value
+    try:
+        return check_type(f"{prefix}{key}", table.pop(key), kind)
+    except SettingsError as error:
+        raise ConfigError(error.key, error.message) from None
 
 
 def _folder(key: str, path: Path) -> Path:
