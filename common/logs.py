@@ -22,7 +22,6 @@ import threading
 from datetime import UTC, datetime
 
 LOG_FORMATS = ("text", "json")
-FIELDS = ("process_name", "model", "pid")  # what a record carries beyond the message
 
 
 class TextFormatter(logging.Formatter):
@@ -39,12 +38,13 @@ class TextFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        process, model, pid = who(record)
         entry = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
-            "process": getattr(record, "process_name", record.name),
-            "model": getattr(record, "model", None),
-            "pid": getattr(record, "pid", record.process),
+            "process": process,
+            "model": model,
+            "pid": pid,
             "message": record.getMessage(),
         }
         if record.exc_info:
@@ -54,11 +54,16 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+def who(record: logging.LogRecord) -> tuple[str, str | None, int]:
+    """The process that wrote the record ("runner" or "supervisor"), its model (a runner's) and its pid: the
+    fields ``setup`` or ``record_from_json`` stamped, else this process's logger name and pid."""
+    name = getattr(record, "process_name", None) or record.name.split(".")[0]
+    return name, getattr(record, "model", None), getattr(record, "pid", None) or record.process
+
+
 def source_of(record: logging.LogRecord) -> str:
     """``runner[model:pid]`` or ``supervisor[pid]``: who wrote the record."""
-    name = getattr(record, "process_name", None) or record.name.split(".")[0]
-    pid = getattr(record, "pid", None) or record.process
-    model = getattr(record, "model", None)
+    name, model, pid = who(record)
     return f"{name}[{model}:{pid}]" if model else f"{name}[{pid}]"
 
 
@@ -120,11 +125,6 @@ def setup(process_name: str, log_format: str = "text", model: str | None = None)
 
     sys.excepthook = log_uncaught
     return handler
-
-
-def console() -> ConsoleHandler | None:
-    """The handler ``setup`` installed, if any."""
-    return next((h for h in logging.getLogger().handlers if isinstance(h, ConsoleHandler)), None)
 
 
 def record_from_json(line: str, model: str, pid: int, logger_name: str = "runner") -> logging.LogRecord:
