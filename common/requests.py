@@ -38,11 +38,21 @@ class FinishReason(enum.IntEnum):
     CANCELLED = 3  # the client went away or the runner is stopping
 
 
-def _text(field: str, value: str) -> None:
+NOT_UNICODE = "is not valid Unicode text (it holds a lone surrogate such as \\ud800)"
+
+
+def is_unicode(text: str) -> bool:
+    """False for a string UTF-8 cannot carry: one with a lone surrogate, which JSON's ``\\ud800`` escapes allow."""
     try:
-        value.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidRequest(field, "is not valid Unicode text (it holds a lone surrogate such as \\ud800)") from None
+        return False
+    return True
+
+
+def _text(field: str, value: str) -> None:
+    if not is_unicode(value):
+        raise InvalidRequest(field, NOT_UNICODE)
 
 
 def check_fields(

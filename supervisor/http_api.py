@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequest
 from common.protocol import runner_pb2
-from common.requests import FinishReason, check_fields
+from common.requests import NOT_UNICODE, FinishReason, check_fields, is_unicode
 from common.status import Code, ServiceError, status_of
 
 from .http_errors import openai_error
@@ -60,9 +60,7 @@ def lone_surrogate(value, path: str = "") -> str | None:
     """Where a string of the JSON body holds a lone surrogate (``"\\ud800"``, which JSON allows and UTF-8 cannot
     carry), or None."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
+        if not is_unicode(value):
             return path or "body"
     elif isinstance(value, dict):
         for key, item in value.items():
@@ -85,7 +83,7 @@ class Schema(BaseModel):
     def unicode_only(cls, data):
         where = lone_surrogate(data)
         if where is not None:
-            raise ValueError(f"{where}: is not valid Unicode text (it holds a lone surrogate such as \\ud800)")
+            raise ValueError(f"{where}: {NOT_UNICODE}")
         return data
 
 
