@@ -28,7 +28,7 @@ import psutil
 from common.defaults import DEFAULT_NUM_DRAFT_TOKENS
 from common.errors import InvalidRequest, TokenizerMismatch
 from common.footprint import ModelFootprint, default_prompt_cache_bytes, resolve_dtype
-from common.settings import CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED, DRAFTERS, RunnerSettings
+from common.settings import CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED, RunnerSettings
 
 from .batch_memory import CacheCost
 from .decoders import Decoder, PlainDecoder, SpeculativeDecoder
@@ -138,9 +138,7 @@ class Engine:
         return self.settings.drafter or ("model" if self.draft is not None else "ngram")
 
     def _default_drafter(self) -> str:
-        wanted = self.wanted_drafter
-        if wanted not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}")
+        wanted = self.wanted_drafter  # one of DRAFTERS: RunnerSettings checked it
         return wanted if not self.drafters[wanted] else "none"
 
     @property
