@@ -7,6 +7,7 @@ generates from: nothing is validated or tokenized twice.
 
 from __future__ import annotations
 
+import inspect
 import secrets
 from dataclasses import dataclass, fields
 
@@ -27,23 +28,8 @@ END_OF_TURN = (
     "<|endoftext|>",
     "<｜end▁of▁sentence｜>",
 )
-CHECKED = (
-    "prompt",
-    "prompt_ids",
-    "messages",
-    "max_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "seed",
-    "stop",
-    "num_draft_tokens",
-    "logprobs",
-    "top_logprobs",
-    "drafter",
-    "chat_template_kwargs",
-)
+# The fields common.requests.check_fields judges: its parameters, which a GenerationRequest has by the same names.
+CHECKED = tuple(inspect.signature(check_fields).parameters)
 # A text longer than this many characters per token of context cannot fit: refused before tokenizing.
 MAX_CHARS_PER_TOKEN = 32
 
