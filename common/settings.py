@@ -275,7 +275,7 @@ class RunnerSettings:
     def from_table(cls, table: dict, **given) -> RunnerSettings:
         """Read the keys of ``table`` that are settings (a model's config table; each value is parsed and checked
         once, by ``__post_init__``); ``table`` keeps the rest. ``given``: settings the caller sets itself (the
-        name, the grace)."""
+        name; the supervisor sets the grace at each start)."""
         return cls(**given, **{key: table.pop(key) for key in cls.config_keys() if key in table})
 
     # -- the runner's command line ----------------------------------------------------------------------

@@ -165,7 +165,7 @@ def _model_path(key: str, value, base: Path) -> Path | None:
     return _folder(key, path)
 
 
-def _model(name: str, table: dict, base: Path, grace: float) -> ModelConfig:
+def _model(name: str, table: dict, base: Path) -> ModelConfig:
     p = f"models.{name}."
     if not isinstance(table, dict):
         raise ConfigError(f"models.{name}", "expected a table")
@@ -173,7 +173,7 @@ def _model(name: str, table: dict, base: Path, grace: float) -> ModelConfig:
     if "target" not in table:
         raise ConfigError(f"{p}target", "is required")
     try:
-        settings = RunnerSettings.from_table(table, name=name, grace=grace)
+        settings = RunnerSettings.from_table(table, name=name)  # the grace is the supervisor's at each start
     except SettingsError as error:
         raise ConfigError(f"{p}{error.key}", error.message) from None
     settings = replace(
@@ -230,7 +230,6 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
         raise ConfigError("models", "at least one [models.NAME] table is required")
     gguf_cache_dir = _take(data, "gguf_cache_dir", "", str, "")
     gguf_cache_dir = (base / gguf_cache_dir) if gguf_cache_dir else default_cache_dir()
-    drain_grace = parse_duration("drain_grace", data.get("drain_grace", DEFAULT_GRACE))
     log_format = _take(data, "log_format", "", str, "text")
     if log_format not in LOG_FORMATS:
         raise ConfigError("log_format", f"{log_format!r} is not one of {', '.join(LOG_FORMATS)}")
@@ -238,7 +237,7 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
     for name, table in models_table.items():
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
             raise ConfigError(f"models.{name}", "names are letters, digits, '.', '_' and '-'")
-        models[name] = _model(name, table, base, drain_grace)
+        models[name] = _model(name, table, base)
     listen = _take(data, "listen", "", str, DEFAULT_LISTEN)
     allow_remote = _take(data, "allow_remote", "", bool, False)
     if not is_loopback(listen) and not allow_remote:
