@@ -5,6 +5,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 # MKL preload for MLX's CPU backend (common/cpu_blas.py); empty where MKL is absent.
 WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
+# MLX's backend: CUDA where an NVIDIA driver answers (13 from driver 580 on, else 12), else the CPU's.
+# `make install MLX_BACKEND=cpu` overrides it (docs/gpu.md).
+DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
+MLX_BACKEND ?= $(if $(DRIVER),$(if $(shell [ $(DRIVER) -ge 580 ] && echo y),cuda13,cuda12),cpu)
 
 .PHONY: install proto lint format test bench models real-model vocabularies run clean
 
@@ -13,8 +17,8 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,dev]'
-	touch $@
+	$(BIN)/python -m pip install -q -e '.[test,dev,$(MLX_BACKEND)]'
+	echo $(MLX_BACKEND) > $@
 
 # Regenerate the gRPC stubs from proto/*.proto (committed; a test checks they match).
 proto: install

@@ -20,7 +20,8 @@ Written by `python -m bench` (`make bench`): each section below is the latest ru
 with the date and the machine it ran on; `python -m bench SECTION ...` reruns some sections and keeps the
 others. Earlier runs are in the git history of this page. Ratios are within one run: the machines are
 shared and absolute tok/s moves between runs, so compare ratios within a table, not numbers across tables.
-What the figures mean for the design is in [design.md](design.md).
+What the figures mean for the design is in [design.md](design.md); figures from a GPU are in
+[gpu.md](gpu.md).
 """
 
 

@@ -71,16 +71,29 @@ def load(sup, model: str, clients: int, requests: int, tokens: int, chat: bool) 
     }
 
 
-def measure(label: str, toml_model: str, model: str, requests: int, tokens: int, chat: bool) -> None:
+def measure(
+    label: str,
+    toml_model: str,
+    model: str,
+    requests: int,
+    tokens: int,
+    chat: bool,
+    clients_on: tuple = CLIENTS,
+    clients_off: tuple = CLIENTS,
+) -> None:
+    """``clients_off``: the loads also run one at a time (a large one-at-a-time load takes long and its
+    aggregate rate hardly moves with the number of clients: bench/device.py runs a few)."""
     from tests.processes import SupervisorProcess
 
     rows = {}
-    for mode, max_batch in (("off", 1), ("on", 32)):
+    for mode, max_batch, counts in (("off", 1, clients_off), ("on", max(clients_on), clients_on)):
         with tempfile.TemporaryDirectory() as folder:
             sup = SupervisorProcess(Path(folder), toml_model + f"max_batch = {max_batch}\n").wait_ready(300)
             try:
-                load(sup, model, 1, 1, 8, chat)  # warm-up
-                for clients in CLIENTS:
+                # Warm-up at each load's size: a batch of a new size compiles kernels on a GPU (docs/gpu.md).
+                for clients in counts:
+                    load(sup, model, clients, 1, 8, chat)
+                for clients in counts:
                     rows[(mode, clients)] = load(sup, model, clients, requests, tokens, chat)
             finally:
                 sup.stop()
@@ -90,11 +103,15 @@ def measure(label: str, toml_model: str, model: str, requests: int, tokens: int,
         "| refused |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for clients in CLIENTS:
+    for clients in sorted(set(clients_on) | set(clients_off)):
         for mode in ("off", "on"):
-            r = rows[(mode, clients)]
+            r = rows.get((mode, clients))
+            if r is None:
+                continue
+            off = rows.get(("off", clients))
+            versus = f"{r['rate'] / off['rate']:.2f}x" if off else "-"
             print(
-                f"| {clients} | {mode} | {r['rate']:.0f} | {r['rate'] / rows[('off', clients)]['rate']:.2f}x "
+                f"| {clients} | {mode} | {r['rate']:.0f} | {versus} "
                 f"| {r['rate'] / rows[(mode, 1)]['rate']:.2f}x | {r['p50']:.2f} s / {r['p95']:.2f} s "
                 f"| {r['refused']}{' failed ' + str(r['failed']) if r['failed'] else ''} |"
             )

@@ -39,16 +39,16 @@ def system_prompt(tokenizer, tokens: int = 1500) -> str:
     return tokenizer.decode(ids)
 
 
-def conversation_requests(folder: Path, chat: bool):
+def conversation_requests(folder: Path, chat: bool, turns: int = len(QUESTIONS), answer_tokens: int = ANSWER_TOKENS):
     """One GenerateRequest per turn, built as the previous answers come back (a generator fed with answers)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tokenizer = load_tokenizer(folder)
     system = system_prompt(tokenizer)
     history: list[tuple[str, str]] = [("system", system)]
-    for question in QUESTIONS:
+    for question in QUESTIONS[:turns]:
         history.append(("user", question))
-        request = runner_pb2.GenerateRequest(max_tokens=ANSWER_TOKENS, ignore_eos=True)
+        request = runner_pb2.GenerateRequest(max_tokens=answer_tokens, ignore_eos=True)
         if chat:
             for role, content in history:
                 request.messages.add(role=role, content=content)
@@ -58,7 +58,7 @@ def conversation_requests(folder: Path, chat: bool):
         history.append(("assistant", answer))
 
 
-def run_chat(folder: Path, draft, chat: bool, cache: bool) -> list[dict]:
+def run_chat(folder: Path, draft, chat: bool, cache: bool, turns: int, answer: int) -> list[dict]:
     from tests.processes import RunnerProcess
 
     extra = [] if cache else ["--prompt-cache", "0"]
@@ -66,15 +66,15 @@ def run_chat(folder: Path, draft, chat: bool, cache: bool) -> list[dict]:
         runner = RunnerProcess(Path(tmp) / "sockets", *extra, target=folder, draft=draft, name="bench").wait_serving(
             300
         )
-        turns = []
+        measured = []
         try:
-            requests = conversation_requests(folder, chat)
+            requests = conversation_requests(folder, chat, turns, answer)
             request = next(requests)
             while True:
                 chunks = list(runner.client.stub.Generate(request, timeout=900))
                 stats = chunks[-1].stats
                 memory = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5)
-                turns.append(
+                measured.append(
                     {
                         "prompt": stats.prompt_tokens,
                         "cached": stats.cached_tokens,
@@ -89,7 +89,7 @@ def run_chat(folder: Path, draft, chat: bool, cache: bool) -> list[dict]:
                     break
         finally:
             runner.stop()
-    return turns
+    return measured
 
 
 def malloc_trim_rss(trim: bool) -> list[int]:
@@ -115,8 +115,11 @@ def malloc_trim_rss(trim: bool) -> list[int]:
     return rss
 
 
-def run() -> None:
-    print(f"## prompt cache: six-turn chat, ~1,500-token system prompt, {ANSWER_TOKENS}-token answers\n")
+def run(quick: bool = False, malloc_table: bool = True) -> None:
+    """``quick``: two turns of 8-token answers (bench/device.py on a CPU); ``malloc_table``: the RSS that
+    malloc_trim returns (host memory: bench/device.py leaves it out)."""
+    turns, answer = (2, 8) if quick else (len(QUESTIONS), ANSWER_TOKENS)
+    print(f"## prompt cache: {turns}-turn chat, ~1,500-token system prompt, {answer}-token answers\n")
     print(
         "| model | cache | turn | prompt tokens | from the cache | time to first token | vs turn 1 | RSS after the turn |"
     )
@@ -127,19 +130,21 @@ def run() -> None:
         ("default pair (plain text turns)", DEFAULT_TARGET, DEFAULT_DRAFT, False),
     ):
         for cache in (False, True):
-            turns = run_chat(folder, draft, chat, cache)
-            cold = turns[0]["ttft"]
-            for n, t in enumerate(turns, 1):
+            measured = run_chat(folder, draft, chat, cache, turns, answer)
+            cold = measured[0]["ttft"]
+            for n, t in enumerate(measured, 1):
                 print(
                     f"| {label} | {'on' if cache else 'off'} | {n} | {t['prompt']} | {t['cached']} | "
                     f"{t['ttft'] * 1000:.0f} ms | {t['ttft'] / cold:.0%} | {t['rss'] / 2**20:.0f} MiB |"
                 )
-            later = [t["ttft"] / cold for t in turns[1:]]
+            later = [t["ttft"] / cold for t in measured[1:]]
             summary.append((label, cache, statistics.mean(later), max(later)))
-    print("\n| model | cache | turns 2-6: mean time to first token vs turn 1 | worst |")
+    print(f"\n| model | cache | turns 2-{turns}: mean time to first token vs turn 1 | worst |")
     print("| --- | --- | --- | --- |")
     for label, cache, mean, worst in summary:
         print(f"| {label} | {'on' if cache else 'off'} | {mean:.0%} | {worst:.0%} |")
+    if quick or not malloc_table:
+        return
     with_trim, without = malloc_trim_rss(True), malloc_trim_rss(False)
     print(
         "\n### malloc_trim after pool releases: runner RSS after each of four 2000-token generations (default pair)\n"

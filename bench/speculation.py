@@ -17,6 +17,7 @@ which has nothing to copy from the input and is not what a user waits for.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
@@ -140,13 +141,20 @@ def reference(engine: Engine, models: tuple, prompt: str, tokens: int, chat: boo
     return Tally(generated - 1, time.perf_counter() - start)
 
 
-def table(title: str, engine: Engine, tokens: int, chat: bool, rows: list) -> dict:
-    kinds = {"prose": PROSE, "input-grounded": GROUNDED_CHAT if chat else GROUNDED_TEXT}
+def table(title: str, engine: Engine, tokens: int, chat: bool, rows: list, prompts_per_kind: int = 3) -> dict:
+    kinds = {
+        "prose": PROSE[:prompts_per_kind],
+        "input-grounded": (GROUNDED_CHAT if chat else GROUNDED_TEXT)[:prompts_per_kind],
+    }
     length = f"greedy answers of up to {tokens} tokens" if chat else f"{tokens} greedy tokens per prompt"
-    print(f"## speculation: {title}, {length} ({len(PROSE)} prose prompts, {len(GROUNDED_TEXT)} input-grounded)\n")
+    counts = f"{len(kinds['prose'])} prose prompts, {len(kinds['input-grounded'])} input-grounded"
+    print(f"## speculation: {title}, {length} ({counts})\n")
     print("| decoder | " + " | ".join(f"{kind} tok/s | vs our plain | acceptance" for kind in kinds) + " |")
     print("| --- | " + " | ".join("--- | --- | ---" for _ in kinds) + " |")
-    ours(engine, PROSE[0], 16, chat, drafter="none")  # warm-up
+    # Warm-up: every configuration once, untimed. MLX's CUDA backend compiles a kernel the first time it
+    # meets it (seconds); without this, whichever configuration came first paid for the others (docs/gpu.md).
+    for _, run in rows:
+        run(PROSE[0])
     # Every configuration runs each prompt in turn (in the opposite order for every other prompt), so a
     # machine that slows down or speeds up during the run weighs on all of them alike.
     results = {label: {kind: Tally() for kind in kinds} for label, _ in rows}
@@ -156,6 +164,7 @@ def table(title: str, engine: Engine, tokens: int, chat: bool, rows: list) -> di
             for label, run in rows if turn % 2 == 0 else rows[::-1]:
                 results[label][kind] += run(prompt)
             turn += 1
+            print(f"speculation: {title}: {kind} prompt {turn} done", file=sys.stderr, flush=True)
     base = results["ours, plain"]
     for label, by_kind in results.items():
         cells = []
@@ -167,38 +176,47 @@ def table(title: str, engine: Engine, tokens: int, chat: bool, rows: list) -> di
     return results
 
 
-def run() -> None:
+def run(
+    pair_tokens: int = 256,
+    smol_tokens: int = 160,
+    depths=range(1, 7),
+    ngram_depths=(1, 2, 4, 6),
+    reference_depths=None,
+    prompts_per_kind: int = 3,
+) -> None:
+    """Both tables; bench/device.py runs it with other sizes (deeper on a GPU, shorter on a quick CPU run)."""
     pair = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0))
     pair_as_mlx_lm = as_mlx_lm_runs_it(pair)
-    n = 256
+    n = pair_tokens
     rows = [
         ("ours, plain", lambda p: ours(pair, p, n, False, drafter="none")),
         ("mlx-lm generate_step", lambda p: reference(pair, pair_as_mlx_lm, p, n, False, 0)),
     ]
     rows += [
         (f"ours, draft model, k = {k}", lambda p, k=k: ours(pair, p, n, False, drafter="model", num_draft_tokens=k))
-        for k in range(1, 7)
+        for k in depths
     ]
     rows += [
         (f"mlx-lm speculative_generate_step, k = {k}", lambda p, k=k: reference(pair, pair_as_mlx_lm, p, n, False, k))
-        for k in range(1, 7)
+        for k in (depths if reference_depths is None else reference_depths)
     ]
     rows += [
         ("ours, n-gram, adaptive", lambda p: ours(pair, p, n, False, drafter="ngram")),
         ("ours, draft model, adaptive (default)", lambda p: ours(pair, p, n, False)),
     ]
-    table("default pair (draft model)", pair, n, False, rows)
+    table("default pair (draft model)", pair, n, False, rows, prompts_per_kind)
 
     smol = Engine.load(SMOLLM2_DIR, None, RunnerSettings(prompt_cache=0))
     smol_as_mlx_lm = as_mlx_lm_runs_it(smol)
-    n = 160
+    n = smol_tokens
     rows = [
         ("ours, plain", lambda p: ours(smol, p, n, True, drafter="none")),
         ("mlx-lm generate_step", lambda p: reference(smol, smol_as_mlx_lm, p, n, True, 0)),
     ]
     rows += [
         (f"ours, n-gram, k = {k}", lambda p, k=k: ours(smol, p, n, True, drafter="ngram", num_draft_tokens=k))
-        for k in (1, 2, 4, 6)
+        for k in ngram_depths
     ]
     rows += [("ours, n-gram, adaptive (default)", lambda p: ours(smol, p, n, True))]
-    table("SmolLM2-135M-Instruct in float32 (no draft model: n-gram lookup)", smol, n, True, rows)
+    dtype = smol.target.compute_dtype
+    table(f"SmolLM2-135M-Instruct in {dtype} (no draft model: n-gram lookup)", smol, n, True, rows, prompts_per_kind)

@@ -212,14 +212,17 @@ def default_prompt_cache_bytes(total_memory: int | None = None) -> int:
     return min(total_memory // 8, 4 * 2**30)
 
 
+def expected_backend() -> str:
+    """What will run MLX in a runner, guessed without importing MLX: "metal", "cuda" or "cpu"."""
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return "metal"
+    names = {(d.metadata["Name"] or "").lower() for d in package_metadata.distributions()}
+    return "cuda" if any(name.startswith("mlx-cuda") for name in names) else "cpu"
+
+
 def expected_device() -> str:
     """The device MLX will use in a runner, guessed without importing MLX: "gpu" or "cpu"."""
-    if sys.platform == "darwin" and platform.machine() == "arm64":
-        return "gpu"  # Metal
-    names = {(d.metadata["Name"] or "").lower() for d in package_metadata.distributions()}
-    if any(name.startswith("mlx-cuda") or name == "mlx-cuda" for name in names):
-        return "gpu"
-    return "cpu"
+    return "cpu" if expected_backend() == "cpu" else "gpu"
 
 
 def resolve_dtype(

@@ -98,6 +98,7 @@ def main(argv=None) -> int:
 
     from common.errors import ModelLoadError
 
+    from . import platform
     from .engine import Engine
     from .server import RunnerServer, RunnerService
 
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
         time.perf_counter() - started,
         engine.target.config.get("model_type"),
         engine.target.compute_dtype,
-        engine.device,
+        platform.describe(),
         engine.dtype_reason,
         engine.context_length,
         engine.speculative_note,

@@ -36,6 +36,7 @@ from .depth import DepthController, FixedDepth
 from .drafters import ModelDrafter, NgramDrafter
 from .loading import LoadedModel, load_model
 from .malloc import malloc_trim
+from .platform import auto_dtype, device_name
 from .prefill import PrefillPlanner
 from .prompt_cache import Hit, PromptCache
 from .release import ReleaseSchedule
@@ -78,10 +79,6 @@ class Released:
     cache_after: int
     evicted_entries: int = 0  # prompt-cache entries emptied first
     evicted_bytes: int = 0
-
-
-def device_name() -> str:
-    return mx.default_device().type.name  # "cpu" or "gpu"
 
 
 class Engine:
@@ -182,7 +179,7 @@ class Engine:
                     context=settings.max_context or None,
                 )
             else:
-                dtype = "float32" if device_name() == "cpu" else "checkpoint"
+                dtype = auto_dtype()
         target = load_model(folders[0], dtype, settings.max_context or None)
         draft = load_model(folders[1], dtype, settings.max_context or None) if draft_dir else None
         if draft is not None:
@@ -203,19 +200,23 @@ class Engine:
         return self.depth[self.default_drafter].best()
 
     def warm_up(self) -> None:
-        """Short generations, so the first real request does not pay for first-use setup."""
+        """Short generations, so the first real request does not pay for first-use setup. On a GPU, one per
+        draft depth the adaptive depth may choose: MLX's CUDA backend compiles a kernel for each new shape
+        (seconds the first time; later starts read them from ``MLX_PTX_CACHE_DIR``, docs/gpu.md)."""
+        depths = (2,) if self.device == "cpu" else range(1, self.settings.max_draft_tokens + 1)
         for drafter in [name for name, why in self.drafters.items() if not why]:
-            for _ in self.generate(
-                GenerationRequest(
-                    prompt_ids=(0, 5, 6, 7, 5, 6, 7, 5),
-                    max_tokens=8,
-                    ignore_eos=True,
-                    cache_prompt=False,
-                    drafter=drafter,
-                    num_draft_tokens=0 if drafter == "none" else 2,
-                )
-            ):
-                pass
+            for k in (0,) if drafter == "none" else depths:
+                for _ in self.generate(
+                    GenerationRequest(
+                        prompt_ids=(0, 5, 6, 7, 5, 6, 7, 5),
+                        max_tokens=8,
+                        ignore_eos=True,
+                        cache_prompt=False,
+                        drafter=drafter,
+                        num_draft_tokens=k,
+                    )
+                ):
+                    pass
 
     def release_memory(self, prompt_cache: bool = False) -> Released:
         """Empty the pool now (after the prompt cache, when asked): its buffers go back to the system."""

@@ -26,6 +26,7 @@ from common.protocol import runner_pb2, runner_pb2_grpc
 from common.requests import fields_of
 from common.status import ServiceError, StatusInterceptor
 
+from . import platform
 from .engine import Engine
 from .loading import LoadedModel
 from .request import GenerationRequest
@@ -152,7 +153,10 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         response = runner_pb2.InfoResponse(
             name=self.name,
             target=model_info(engine.target),
-            device=mx.default_device().type.name,
+            device=platform.device_name(),
+            backend=platform.backend(),
+            device_detail=platform.describe(),
+            device_memory=platform.device_memory(),
             num_draft_tokens=engine.default_num_draft_tokens,
             release_interval=engine.settings.release_interval,
             release_enabled=engine.settings.release_enabled,

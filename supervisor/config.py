@@ -6,6 +6,7 @@
     runtime_dir = "/run/mlxserve"     # runner sockets (default: a private folder under /tmp)
     max_loaded = 2                    # runners alive at once; least recently used idle one is evicted
     gguf_cache_dir = "/var/cache/mlxserve/gguf"  # where .gguf targets are imported (default: ~/.cache/mlxserve/gguf)
+    kernel_cache_dir = "/var/cache/mlxserve/kernels"  # MLX's compiled GPU kernels (default: ~/.cache/mlxserve/kernels)
     log_format = "text"               # or "json": one object per record, a runner's with its model and pid
 
     [models.default]
@@ -110,6 +111,9 @@ class SupervisorConfig:
     drain_grace: float = DEFAULT_GRACE
     kill_timeout: float = 5.0
     gguf_cache_dir: Path = field(default_factory=lambda: default_cache_dir())
+    # MLX's CUDA backend compiles kernels on first use (seconds each) and keeps them in MLX_PTX_CACHE_DIR:
+    # runners get this folder, so a restart finds them compiled (docs/gpu.md).
+    kernel_cache_dir: Path = field(default_factory=lambda: default_cache_dir("kernels"))
     log_format: str = "text"
 
     @property
@@ -230,6 +234,8 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
         raise ConfigError("models", "at least one [models.NAME] table is required")
     gguf_cache_dir = _take(data, "gguf_cache_dir", "", str, "")
     gguf_cache_dir = (base / gguf_cache_dir) if gguf_cache_dir else default_cache_dir()
+    kernel_cache_dir = _take(data, "kernel_cache_dir", "", str, "")
+    kernel_cache_dir = (base / kernel_cache_dir) if kernel_cache_dir else default_cache_dir("kernels")
     log_format = _take(data, "log_format", "", str, "text")
     if log_format not in LOG_FORMATS:
         raise ConfigError("log_format", f"{log_format!r} is not one of {', '.join(LOG_FORMATS)}")
@@ -296,6 +302,7 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
         tls_cert=base / tls_cert if tls_cert else None,
         tls_key=base / tls_key if tls_key else None,
         gguf_cache_dir=gguf_cache_dir,
+        kernel_cache_dir=kernel_cache_dir,
         log_format=log_format,
         **timings,
     )

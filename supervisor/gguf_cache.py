@@ -32,9 +32,11 @@ class GGUFCacheError(ValueError):
     """The file could not be imported; the message says why in one line."""
 
 
-def default_cache_dir() -> Path:
+def default_cache_dir(kind: str = "gguf") -> Path:
+    """``$XDG_CACHE_HOME/mlxserve/KIND`` (else ``~/.cache/mlxserve/KIND``): "gguf" imports, "kernels" for
+    MLX's compiled GPU kernels (``kernel_cache_dir``)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mlxserve" / "gguf"
+    return Path(base) / "mlxserve" / kind
 
 
 def folder_for(source: Path, cache_dir: Path) -> Path:

@@ -10,7 +10,14 @@ Per model, on every sample (default once a second):
   Memory that is still in use after a release is left alone until it reaches
   the hard limit, so a runner that needs its memory is not restarted in a loop.
 
-Before a runner starts, ``admit`` checks the system's available memory
+On an NVIDIA GPU (MLX's CUDA build) the model's buffers live in the GPU's own
+memory, which RSS does not count: there ``measured`` adds what MLX holds on the
+device (active + pool, from the runner's Memory RPC), and the memory that
+admission and the default budgets compare against is the GPU's free memory
+(``nvidia-smi``). On Apple silicon the memory is shared and RSS-based
+accounting stays as it is.
+
+Before a runner starts, ``admit`` checks the available memory
 against what the model will need (``common.footprint``: the weights as they
 will sit in memory, the KV caches of the whole context, the prefill's transient
 and the runtime), and refuses instead of risking the OOM killer.
@@ -20,6 +27,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +42,7 @@ from common.footprint import (
     ModelFootprint,
     default_prompt_cache_bytes,
     estimate,
+    expected_backend,
     expected_device,
     resolve_dtype,
 )
@@ -151,8 +161,36 @@ def limit_room(model: ModelConfig, needed: Estimate) -> int | None:
 
 
 def free_memory(available: int | None = None) -> int:
-    """``available``, or what the machine has available now."""
-    return psutil.virtual_memory().available if available is None else available
+    """``available``, or what the runners' device has available now: the GPU's free memory where MLX runs on
+    CUDA (and nvidia-smi answers), else the machine's available memory."""
+    if available is not None:
+        return available
+    if expected_backend() == "cuda":
+        free = cuda_free_memory()
+        if free is not None:
+            return free
+    return psutil.virtual_memory().available
+
+
+def cuda_free_memory() -> int | None:
+    """Free bytes of the first visible NVIDIA GPU, from nvidia-smi; None when it does not answer."""
+    visible = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", f"--id={visible}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return int(done.stdout.strip().splitlines()[0]) * 2**20 if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
+def measured_memory(sample: Sample, mlx: MlxFigures, backend: str) -> int:
+    """What the limits compare: the runner tree's anonymous memory, plus on CUDA what MLX holds on the GPU
+    (active + pool), which RSS does not see."""
+    return sample.anonymous + (mlx.active + mlx.cache if backend == "cuda" else 0)
 
 
 def prompt_cache_budget(model: ModelConfig, needed: Estimate | None, available: int | None = None) -> int:
@@ -226,6 +264,7 @@ class MemoryWatch:
         self._stop = threading.Event()
         self._count = 0
         self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
+        self.backend = expected_backend()
 
     def start(self) -> None:
         self._thread.start()
@@ -263,7 +302,7 @@ class MemoryWatch:
 
     def _apply_limits(self, runner: ManagedRunner, memory: RunnerMemory, sample: Sample) -> None:
         model = runner.model
-        measured = sample.anonymous
+        measured = measured_memory(sample, memory.mlx, self.backend)
         if model.hard_limit and measured > model.hard_limit:
             message = (
                 f"model {runner.name}: runner memory {measured / 2**20:.0f} MiB is over the hard limit "
@@ -287,7 +326,9 @@ class MemoryWatch:
                 return
             memory.soft_releases += 1
             memory.evicted_entries += released.evicted_entries
-            after = sample_tree(runner.pid, 1, sample).anonymous if runner.pid else 0
+            # On CUDA the pool is what the release returned to the device: released.cache_after.
+            left = MlxFigures(active=memory.mlx.active, cache=released.cache_after)
+            after = measured_memory(sample_tree(runner.pid, 1, sample), left, self.backend) if runner.pid else 0
             log.info(
                 "model %s: over the soft limit (%.0f MiB > %.0f MiB): evicted %d prompt-cache entries "
                 "(%.1f MiB), then released the pool (%d -> %d bytes); memory now %.0f MiB",

@@ -60,6 +60,21 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+PTX_CACHE = "MLX_PTX_CACHE_DIR"  # where MLX's CUDA backend keeps the kernels it compiled (mlx/backend/cuda)
+
+
+def runner_environment(config) -> dict[str, str]:
+    """A runner's environment: the supervisor's, the CPU's fast BLAS (``common.cpu_blas``), and the kernel cache
+    folder (``kernel_cache_dir``), so kernels compiled by one runner are found by the next (on the CPU, unused)."""
+    env = fast_blas_environment()
+    try:
+        config.kernel_cache_dir.mkdir(parents=True, exist_ok=True)
+        env[PTX_CACHE] = str(config.kernel_cache_dir)
+    except OSError as error:  # MLX falls back to its own folder under /tmp
+        log.warning("kernel_cache_dir %s cannot be made (%s): MLX keeps its own", config.kernel_cache_dir, error)
+    return env
+
+
 class ManagedRunner:
     def __init__(self, model: ModelConfig, config: SupervisorConfig, on_change=lambda runner: None):
         self.model = model
@@ -261,7 +276,7 @@ class ManagedRunner:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            env=fast_blas_environment(),
+            env=runner_environment(self.config),
             start_new_session=True,
             text=True,
             errors="replace",

@@ -102,6 +102,7 @@ class SupervisorProcess:
         folder.mkdir(parents=True, exist_ok=True)
         self.port, self.probe_port, self.http_port = free_port(), free_port(), free_port()
         self.runtime_dir = folder / "run"
+        self.kernel_cache_dir = folder / "kernels"
         top = {
             "listen": f"127.0.0.1:{self.port}",
             "probe_port": self.probe_port,
@@ -110,6 +111,7 @@ class SupervisorProcess:
             "health_period": "0.5s",
             "restart_backoff": "0.3s",
             "memory_period": "0.3s",
+            "kernel_cache_dir": str(folder / "kernels"),
             **settings,
         }
         lines = [

@@ -91,6 +91,7 @@ def test_info_describes_the_pair(runner):
     assert 13e6 < info.target.parameters < 15e6 and 0.5e6 < info.draft.parameters < 1.5e6
     assert info.target.context_length >= 8192 and info.release_interval == 256
     assert info.pid == runner.process.pid and info.device == "cpu" and info.num_draft_tokens > 0
+    assert info.backend == "cpu" and info.device_detail.startswith("the CPU (")
     assert info.max_batch == 2 and info.batch_memory == 256 * 2**20
 
 

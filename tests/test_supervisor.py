@@ -50,6 +50,10 @@ def test_both_models_generate_at_once_and_report_memory(two_models):
     models = {m.name: m for m in sup.client.list_models().models}
     assert {m.state for m in models.values()} == {supervisor_pb2.RUNNER_STATE_SERVING}
     assert models["alpha"].pid != models["beta"].pid and models["alpha"].pid in sup.runner_pids()
+    # Each runner is told where MLX's compiled GPU kernels are kept (kernel_cache_dir), and the folder is there.
+    for pid in sup.runner_pids():
+        assert psutil.Process(pid).environ()["MLX_PTX_CACHE_DIR"] == str(sup.kernel_cache_dir)
+    assert sup.kernel_cache_dir.is_dir()
     # warm-up's release, the boundary at 256 and the end of the request, once the watch samples again
     assert wait_until(
         lambda: all(

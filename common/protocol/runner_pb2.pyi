@@ -188,7 +188,7 @@ class ModelInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., architecture: _Optional[str] = ..., parameters: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., quantization_group_size: _Optional[int] = ..., cache: _Optional[str] = ..., rewindable: _Optional[bool] = ..., row_padded_layers: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue", "speculative", "decoding", "dtype_reason", "runtime_rss", "prompt_cache_budget", "drafter", "adaptive_depth", "max_draft_tokens", "max_batch", "batch_memory")
+    __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue", "speculative", "decoding", "dtype_reason", "runtime_rss", "prompt_cache_budget", "drafter", "adaptive_depth", "max_draft_tokens", "max_batch", "batch_memory", "backend", "device_detail", "device_memory")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,9 @@ class InfoResponse(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     name: str
     target: ModelInfo
     draft: ModelInfo
@@ -231,7 +234,10 @@ class InfoResponse(_message.Message):
     max_draft_tokens: int
     max_batch: int
     batch_memory: int
-    def __init__(self, name: _Optional[str] = ..., target: _Optional[_Union[ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., release_interval: _Optional[int] = ..., release_enabled: _Optional[bool] = ..., cache_limit: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., max_queue: _Optional[int] = ..., speculative: _Optional[bool] = ..., decoding: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., runtime_rss: _Optional[int] = ..., prompt_cache_budget: _Optional[int] = ..., drafter: _Optional[str] = ..., adaptive_depth: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., max_batch: _Optional[int] = ..., batch_memory: _Optional[int] = ...) -> None: ...
+    backend: str
+    device_detail: str
+    device_memory: int
+    def __init__(self, name: _Optional[str] = ..., target: _Optional[_Union[ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., release_interval: _Optional[int] = ..., release_enabled: _Optional[bool] = ..., cache_limit: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., max_queue: _Optional[int] = ..., speculative: _Optional[bool] = ..., decoding: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., runtime_rss: _Optional[int] = ..., prompt_cache_budget: _Optional[int] = ..., drafter: _Optional[str] = ..., adaptive_depth: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., max_batch: _Optional[int] = ..., batch_memory: _Optional[int] = ..., backend: _Optional[str] = ..., device_detail: _Optional[str] = ..., device_memory: _Optional[int] = ...) -> None: ...
 
 class MemoryRequest(_message.Message):
     __slots__ = ()
