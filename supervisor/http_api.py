@@ -9,7 +9,9 @@ Streaming answers are server-sent events, ``data: {json}`` each, ending with
 Generate (``Supervisor.generate``), and every error the same mapping to a
 status (``common.status``), here as an HTTP status with OpenAI's error shape:
 ``{"error": {"message", "type", "param", "code"}}``. Unknown request fields are
-ignored; malformed or wrong-typed ones are a 400 naming the field. The schemas
+ignored, except OpenAI's that ask for something this server does not do yet
+(``tools``, ``response_format``, penalties, ...: ``NOT_HONOURED``), which are a
+400 naming the field; malformed or wrong-typed ones are a 400 naming the field. The schemas
 check only types: whether a value is in range is decided by
 ``common.requests.check_fields``, the same judge and wording as the gRPC API's
 and the runner's, called before the message is built (a value no message field
@@ -87,12 +89,50 @@ class Schema(BaseModel):
         return data
 
 
+# OpenAI fields that change what the model must produce, which this server does not honour yet: a request
+# that uses one is refused (400 naming it), never answered as if it were absent. A value that asks for
+# nothing (an empty list, a zero penalty, "text" output, tool_choice "none") is accepted.
+NOT_HONOURED = {
+    "tools": lambda v: bool(v),
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": lambda v: bool(v),
+    "function_call": lambda v: v not in (None, "none"),
+    "response_format": lambda v: not (v is None or (isinstance(v, dict) and v.get("type") == "text")),
+    "logit_bias": lambda v: bool(v),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v not in (None, 1, 1.0),
+    "best_of": lambda v: v not in (None, 1),
+    "prediction": lambda v: v is not None,
+    "audio": lambda v: v is not None,
+    "modalities": lambda v: v not in (None, ["text"]),
+    "guided_json": lambda v: v is not None,
+    "guided_regex": lambda v: v is not None,
+    "guided_grammar": lambda v: v is not None,
+    "guided_choice": lambda v: v is not None,
+}
+
+
+def refuse_not_honoured(extra: dict | None, where: str = "") -> None:
+    """400 for the first field of ``NOT_HONOURED`` that ``extra`` (a request's unknown fields) uses."""
+    for key, value in (extra or {}).items():
+        uses = NOT_HONOURED.get(key)
+        if uses is not None and uses(value):
+            raise ServiceError(
+                Code.INVALID_ARGUMENT,
+                f"{where}{key}: not supported by this server yet; leave it out (it would otherwise be ignored, "
+                "and the answer would not be what it asks for)",
+                f"{where}{key}",
+            )
+
+
 class ContentPart(Schema):
     type: StrictStr
     text: StrictStr | None = None
 
 
 class ChatMessage(Schema):
+    model_config = ConfigDict(extra="allow", strict=True)  # to see tool_calls, refused for now
     role: StrictStr  # common.requests.ROLES, and "developer" (a system message)
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
@@ -120,7 +160,10 @@ class StreamOptions(Schema):
 
 
 class Sampling(Schema):
-    """The fields chat and completions share."""
+    """The fields chat and completions share. Unknown fields are kept aside (``model_extra``) so that one
+    this server cannot honour is refused (``NOT_HONOURED``); others are ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: StrictStr
     max_tokens: StrictInt | None = None
@@ -142,6 +185,7 @@ class Sampling(Schema):
     def sampling_fields(self, max_tokens: int | None) -> dict:
         """The shared fields as ``common.requests.check_fields`` and the message take them, OpenAI's defaults
         filled in."""
+        refuse_not_honoured(self.model_extra)
         if self.n != 1:
             raise ServiceError(Code.INVALID_ARGUMENT, "n: only 1 choice per request is supported", "n")
         return {
@@ -189,6 +233,13 @@ class ChatCompletionRequest(Sampling):
             top_logprobs=self.top_logprobs or 0,
             chat_template_kwargs=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "",
         )
+        for index, m in enumerate(self.messages):
+            if (m.model_extra or {}).get("tool_calls"):
+                raise ServiceError(
+                    Code.INVALID_ARGUMENT,
+                    f"messages[{index}].tool_calls: tool calls are not supported by this server yet",
+                    f"messages[{index}].tool_calls",
+                )
         messages = [("system" if m.role == "developer" else m.role, m.text(), m.name or "") for m in self.messages]
         return self.build(fields, messages)
 
