@@ -12,7 +12,16 @@ import sys
 
 from common.cpu_blas import reexec_with_fast_blas
 
-SECTIONS = ("speculation", "runner", "supervisor", "real_model", "gguf_import", "prompt_cache", "batching")
+SECTIONS = (
+    "speculation",
+    "runner",
+    "supervisor",
+    "real_model",
+    "gguf_import",
+    "prompt_cache",
+    "batching",
+    "grammar",
+)
 
 PAGE_HEADER = """# Benchmarks
 
