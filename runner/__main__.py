@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         return 0
     server.attach(engine, on_fatal)
     log.info(
-        "serving %s after %.2f s: %s, %s on the %s (%s), context %d; %s; release every %d tokens%s, "
+        "serving %s after %.2f s: %s, %s on %s (%s), context %d; %s; release every %d tokens%s, "
         "cache limit %d; prompt cache %d bytes; batch of %d, its caches within %s",
         settings.name,
         time.perf_counter() - started,
