@@ -79,10 +79,10 @@ def _time_pass(model, cache, tokens, repeats: int) -> tuple[float, float]:
         mx.eval(model(tokens, cache=cache))
         elapsed = time.perf_counter() - start
         trim_prompt_cache(cache, width)
-        if i >= 2:  # two warm-ups: kernels of a new shape are compiled on first use
+        if i == 0:
+            first = elapsed
+        elif i >= 2:  # two warm-ups: kernels of a new shape are compiled on first use
             times.append(elapsed)
-        else:
-            first = first if i else elapsed
     times.sort()
     return times[len(times) // 2], first
 

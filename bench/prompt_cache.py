@@ -58,7 +58,7 @@ def conversation_requests(folder: Path, chat: bool, turns: int = len(QUESTIONS),
         history.append(("assistant", answer))
 
 
-def run_chat(folder: Path, draft, chat: bool, cache: bool, turns: int, answer: int) -> list[dict]:
+def run_chat(folder: Path, draft, chat: bool, cache: bool, turns: int, answer_tokens: int) -> list[dict]:
     from tests.processes import RunnerProcess
 
     extra = [] if cache else ["--prompt-cache", "0"]
@@ -68,7 +68,7 @@ def run_chat(folder: Path, draft, chat: bool, cache: bool, turns: int, answer: i
         )
         measured = []
         try:
-            requests = conversation_requests(folder, chat, turns, answer)
+            requests = conversation_requests(folder, chat, turns, answer_tokens)
             request = next(requests)
             while True:
                 chunks = list(runner.client.stub.Generate(request, timeout=900))

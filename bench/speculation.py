@@ -141,6 +141,14 @@ def reference(engine: Engine, models: tuple, prompt: str, tokens: int, chat: boo
     return Tally(generated - 1, time.perf_counter() - start)
 
 
+def plain_rows(engine: Engine, as_mlx_lm: tuple, tokens: int, chat: bool) -> list:
+    """The two rows every table has first: our plain decoding and mlx-lm's ``generate_step``."""
+    return [
+        ("ours, plain", lambda p: ours(engine, p, tokens, chat, drafter="none")),
+        ("mlx-lm generate_step", lambda p: reference(engine, as_mlx_lm, p, tokens, chat, 0)),
+    ]
+
+
 def table(title: str, engine: Engine, tokens: int, chat: bool, rows: list, prompts_per_kind: int = 3) -> dict:
     kinds = {
         "prose": PROSE[:prompts_per_kind],
@@ -188,10 +196,7 @@ def run(
     pair = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0))
     pair_as_mlx_lm = as_mlx_lm_runs_it(pair)
     n = pair_tokens
-    rows = [
-        ("ours, plain", lambda p: ours(pair, p, n, False, drafter="none")),
-        ("mlx-lm generate_step", lambda p: reference(pair, pair_as_mlx_lm, p, n, False, 0)),
-    ]
+    rows = plain_rows(pair, pair_as_mlx_lm, n, False)
     rows += [
         (f"ours, draft model, k = {k}", lambda p, k=k: ours(pair, p, n, False, drafter="model", num_draft_tokens=k))
         for k in depths
@@ -209,10 +214,7 @@ def run(
     smol = Engine.load(SMOLLM2_DIR, None, RunnerSettings(prompt_cache=0))
     smol_as_mlx_lm = as_mlx_lm_runs_it(smol)
     n = smol_tokens
-    rows = [
-        ("ours, plain", lambda p: ours(smol, p, n, True, drafter="none")),
-        ("mlx-lm generate_step", lambda p: reference(smol, smol_as_mlx_lm, p, n, True, 0)),
-    ]
+    rows = plain_rows(smol, smol_as_mlx_lm, n, True)
     rows += [
         (f"ours, n-gram, k = {k}", lambda p, k=k: ours(smol, p, n, True, drafter="ngram", num_draft_tokens=k))
         for k in ngram_depths

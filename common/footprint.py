@@ -21,6 +21,7 @@ The estimate of a runner is the sum of
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import struct
@@ -212,6 +213,7 @@ def default_prompt_cache_bytes(total_memory: int | None = None) -> int:
     return min(total_memory // 8, 4 * 2**30)
 
 
+@functools.cache  # the installed packages do not change while the supervisor runs
 def expected_backend() -> str:
     """What will run MLX in a runner, guessed without importing MLX: "metal", "cuda" or "cpu"."""
     if sys.platform == "darwin" and platform.machine() == "arm64":

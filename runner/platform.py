@@ -38,13 +38,12 @@ def describe() -> str:
     """For example ``the GPU (cuda: NVIDIA H200, 140 GiB)`` or ``the CPU (x86_64, Intel Xeon)``."""
     info = mx.device_info()
     name = info.get("device_name") or info.get("architecture") or "unknown"
-    memory = device_memory()
-    size = f", {memory / 2**30:.0f} GiB" if memory and device_name() != "cpu" else ""
     if device_name() == "cpu":
         from common import cpu_blas
 
         return f"the CPU ({info.get('architecture', '?')}, {name}{', MKL' if cpu_blas.is_loaded() else ''})"
-    return f"the GPU ({backend()}: {name}{size})"
+    memory = device_memory()
+    return f"the GPU ({backend()}: {name}{f', {memory / 2**30:.0f} GiB' if memory else ''})"
 
 
 def auto_dtype() -> str:

@@ -111,12 +111,15 @@ NOT_HONOURED = {
     "guided_grammar": lambda v: v is not None,
     "guided_choice": lambda v: v is not None,
 }
+# The same for a message of the history: an assistant's earlier tool calls.
+MESSAGE_NOT_HONOURED = {"tool_calls": lambda v: bool(v)}
 
 
-def refuse_not_honoured(extra: dict | None, where: str = "") -> None:
-    """400 for the first field of ``NOT_HONOURED`` that ``extra`` (a request's unknown fields) uses."""
+def refuse_not_honoured(extra: dict | None, table: dict = NOT_HONOURED, where: str = "") -> None:
+    """400 for the first field of ``table`` that ``extra`` (unknown fields of a request, or of the message
+    ``where`` names) uses."""
     for key, value in (extra or {}).items():
-        uses = NOT_HONOURED.get(key)
+        uses = table.get(key)
         if uses is not None and uses(value):
             raise ServiceError(
                 Code.INVALID_ARGUMENT,
@@ -234,12 +237,7 @@ class ChatCompletionRequest(Sampling):
             chat_template_kwargs=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "",
         )
         for index, m in enumerate(self.messages):
-            if (m.model_extra or {}).get("tool_calls"):
-                raise ServiceError(
-                    Code.INVALID_ARGUMENT,
-                    f"messages[{index}].tool_calls: tool calls are not supported by this server yet",
-                    f"messages[{index}].tool_calls",
-                )
+            refuse_not_honoured(m.model_extra, MESSAGE_NOT_HONOURED, f"messages[{index}].")
         messages = [("system" if m.role == "developer" else m.role, m.text(), m.name or "") for m in self.messages]
         return self.build(fields, messages)
 
