@@ -16,6 +16,11 @@ parts, each printing Markdown tables:
 - ``memory``: one long speculative generation with the release rule on and
   off, in a fresh process each: MLX's active, pool and peak bytes, the
   process's RSS and, on an NVIDIA GPU, what ``nvidia-smi`` says it holds.
+- ``new_shapes``: one prompt decoded twice, plainly and speculating, with
+  runner.attention's rule on and off, in a fresh process each: ms per round
+  the first time (every cache length new) and the second (MLX's per-shape
+  caches warm). Without the rule, the first pass paid ~60 ms a round on an
+  H200 for cuDNN's per-shape attention plans.
 - ``speculation``, ``batching``, ``prompt_cache``: bench/ modules of those
   names at the GPU's sizes (deeper drafts, up to 64 clients), or at small sizes
   with ``--quick`` (the CPU run that keeps this script tested).
@@ -185,15 +190,74 @@ def memory() -> None:
     print()
 
 
-def speculation() -> None:
+NEW_SHAPES_ONE = r"""
+import json, sys, time
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from common.settings import RunnerSettings
+from runner.engine import Engine, GenerationRequest
+tokens = int(sys.argv[1])
+engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0))
+out = {}
+for label, fields in (("plain", {"drafter": "none"}), ("draft model, k = 2", {"drafter": "model", "num_draft_tokens": 2}),
+                      ("draft model, k = 4", {"drafter": "model", "num_draft_tokens": 4}),
+                      ("n-gram, k = 3", {"drafter": "ngram", "num_draft_tokens": 3})):
+    for turn in (1, 2):
+        gaps, last = [], None
+        for chunk in engine.generate(GenerationRequest(prompt="Repeat: for, while, break, continue; for, while,",
+                                                       max_tokens=tokens, ignore_eos=True, cache_prompt=False, **fields)):
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+        gaps.sort()
+        out[f"{label}|{turn}"] = gaps[len(gaps) // 2] * 1000
+print(json.dumps(out))
+"""
+
+
+def new_shapes() -> None:
+    from tests.processes import child_environment
+
+    tokens = 24 if QUICK else 96
+    print(f"## new shapes: one prompt decoded twice ({tokens} tokens), median ms per round, default pair\n")
+    results = {}
+    for rule in ("1", "0"):
+        done = subprocess.run(
+            [sys.executable, "-c", NEW_SHAPES_ONE, str(tokens)],
+            capture_output=True,
+            text=True,
+            env=child_environment() | {"MLXSERVE_PLAIN_ATTENTION": rule},
+        )
+        if done.returncode:
+            print(f"rule {rule}: failed: {done.stderr.strip().splitlines()[-1:]}\n")
+            continue
+        results[rule] = json.loads(done.stdout.strip().splitlines()[-1])
+    print("| decoder | rule on: first pass | second pass | rule off: first pass | second pass |")
+    print("| --- | --- | --- | --- | --- |")
+    labels = dict.fromkeys(key.split("|")[0] for r in results.values() for key in r)
+    for label in labels:
+        cells = [f"{results[r][f'{label}|{turn}']:.2f}" if r in results else "-" for r in ("1", "0") for turn in (1, 2)]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    print()
+
+
+def speculation(tables: tuple = ("pair", "smol")) -> None:
     from bench import speculation as bench
 
     if QUICK:
-        bench.run(pair_tokens=24, smol_tokens=16, depths=(1, 2), ngram_depths=(2,))
+        bench.run(pair_tokens=24, smol_tokens=16, depths=(1, 2), ngram_depths=(2,), tables=tables)
     elif FOCUS:
-        bench.run(96, 96, depths=(1, 2, 4), ngram_depths=(2, 4), reference_depths=(2, 4), prompts_per_kind=1)
+        bench.run(96, 96, (1, 2, 4), ngram_depths=(2, 4), reference_depths=(2, 4), prompts_per_kind=1, tables=tables)
     else:
-        bench.run(pair_tokens=256, smol_tokens=160, depths=range(1, 11), ngram_depths=(1, 2, 4, 6, 8, 10))
+        bench.run(
+            pair_tokens=256,
+            smol_tokens=160,
+            depths=(1, 2, 3, 4, 6, 8, 10),
+            ngram_depths=(1, 2, 4, 6, 8),
+            reference_depths=(1, 2, 3, 4, 6, 8),
+            prompts_per_kind=2,
+            tables=tables,
+        )
 
 
 def batching() -> None:
@@ -206,7 +270,7 @@ def batching() -> None:
     elif FOCUS:
         on, off, requests, tokens = (1, 16, 64), (1, 16), 1, 32
     else:
-        on, off, requests, tokens = (1, 2, 4, 8, 16, 32, 64), (1, 16, 64), 2, 128
+        on, off, requests, tokens = (1, 4, 16, 32, 64), (1, 16, 64), 1, 128
     bench.measure(
         "default pair (a lone request speculates with its draft)",
         model_toml("pair", max_queue=256),
@@ -241,7 +305,10 @@ PARTS = {
     "env": env,
     "forward": forward,
     "memory": memory,
+    "new_shapes": new_shapes,
     "speculation": speculation,
+    "speculation_pair": lambda: speculation(("pair",)),
+    "speculation_smol": lambda: speculation(("smol",)),
     "batching": batching,
     "prompt_cache": prompt_cache,
 }

@@ -191,8 +191,17 @@ def run(
     ngram_depths=(1, 2, 4, 6),
     reference_depths=None,
     prompts_per_kind: int = 3,
+    tables: tuple = ("pair", "smol"),
 ) -> None:
-    """Both tables; bench/device.py runs it with other sizes (deeper on a GPU, shorter on a quick CPU run)."""
+    """Both tables (or those named in ``tables``); bench/device.py runs it with other sizes (deeper on a GPU,
+    shorter on a quick CPU run) and one table per step, so a step out of time loses only its own."""
+    if "pair" in tables:
+        _pair_table(pair_tokens, depths, reference_depths, prompts_per_kind)
+    if "smol" in tables:
+        _smol_table(smol_tokens, ngram_depths, prompts_per_kind)
+
+
+def _pair_table(pair_tokens: int, depths, reference_depths, prompts_per_kind: int) -> None:
     pair = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0))
     pair_as_mlx_lm = as_mlx_lm_runs_it(pair)
     n = pair_tokens
@@ -211,6 +220,8 @@ def run(
     ]
     table("default pair (draft model)", pair, n, False, rows, prompts_per_kind)
 
+
+def _smol_table(smol_tokens: int, ngram_depths, prompts_per_kind: int) -> None:
     smol = Engine.load(SMOLLM2_DIR, None, RunnerSettings(prompt_cache=0))
     smol_as_mlx_lm = as_mlx_lm_runs_it(smol)
     n = smol_tokens

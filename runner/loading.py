@@ -22,6 +22,8 @@ from mlx_lm.utils import dequantize_model, get_total_parameters
 from common.errors import ModelLoadError
 from common.footprint import context_length
 
+from .attention import applies as plain_attention_applies
+from .attention import use_plain_attention
 from .rewind import rewindable
 from .row_padding import applies as row_padding_applies
 from .row_padding import pad_single_rows
@@ -37,6 +39,7 @@ class LoadedModel:
     parameters: int  # true count (quantized weights unpacked)
     max_context: int | None = None  # a per-model limit below the config's
     padded_layers: int = 0  # layers that run one-row inputs as two rows (runner.row_padding)
+    plain_attention: int = 0  # model modules whose small attentions run as plain ops (runner.attention)
 
     @property
     def quantization(self) -> dict | None:
@@ -117,6 +120,7 @@ def load_model(
         mx.eval(model.parameters())
         mx.clear_cache()
         padded = pad_single_rows(model) if row_padding else 0
+        plain = use_plain_attention(model) if plain_attention_applies() else 0
     except Exception as error:  # noqa: BLE001 - any cause is reported with the folder
         raise ModelLoadError(path, f"{type(error).__name__}: {error}") from error
-    return LoadedModel(path, model, tokenizer, config, dtype, parameters, max_context, padded)
+    return LoadedModel(path, model, tokenizer, config, dtype, parameters, max_context, padded, plain)

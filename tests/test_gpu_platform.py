@@ -59,7 +59,7 @@ def test_the_runner_names_its_device_and_backend():
 def test_the_device_script_runs_its_quick_parts_on_the_cpu(tmp_path):
     """bench/device.py's parts at --quick sizes print their tables (the full script is bench/device.sh)."""
     done = subprocess.run(
-        [sys.executable, "-m", "bench.device", "env", "forward", "memory", "--quick"],
+        [sys.executable, "-m", "bench.device", "env", "forward", "memory", "new_shapes", "--quick"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -72,3 +72,5 @@ def test_the_device_script_runs_its_quick_parts_on_the_cpu(tmp_path):
     assert out.count("## forward pass:") == 2 and "| 4 |" in out  # both models, up to 4 rows
     rows = [line for line in out.splitlines() if line.startswith("| on |") or line.startswith("| off |")]
     assert len(rows) == 2 and int(rows[0].split("|")[2]) > 0 and int(rows[1].split("|")[2]) == 0  # releases
+    shapes = [line for line in out.splitlines() if line.startswith(("| plain |", "| draft model, k = "))]
+    assert len(shapes) == 3 and all(float(cell) > 0 for line in shapes for cell in line.split("|")[2:6])
