@@ -21,6 +21,7 @@ SECTIONS = (
     "prompt_cache",
     "batching",
     "grammar",
+    "structured",
 )
 
 PAGE_HEADER = """# Benchmarks

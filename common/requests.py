@@ -72,6 +72,7 @@ def check_fields(
     top_logprobs: int = 0,
     drafter: str = "",
     chat_template_kwargs: str = "",
+    grammar: str = "",
 ) -> None:
     """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs;
     ``chat_template_kwargs``: a JSON object, as text."""
@@ -115,6 +116,8 @@ def check_fields(
     if drafter and drafter not in DRAFTERS:
         raise InvalidRequest("drafter", f"must be one of {', '.join(DRAFTERS)} (or empty)")
     template_kwargs(chat_template_kwargs)
+    if grammar:
+        _text("grammar", grammar)
 
 
 def template_kwargs(text: str) -> dict:
@@ -162,4 +165,5 @@ def fields_of(message) -> dict:
         top_logprobs=message.top_logprobs,
         drafter=message.drafter,
         chat_template_kwargs=message.chat_template_kwargs,
+        grammar=message.grammar,
     )

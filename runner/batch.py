@@ -191,7 +191,7 @@ class Batch:
         """Build one batched forward pass of ``inputs`` (one token a row) and each row's choice after it."""
         rows = self.rows
         logits = self.model(inputs, cache=self.cache)[:, -1, :]
-        if all(s.greedy for s in rows):
+        if all(s.greedy and not s.constrained for s in rows):
             chosen = mx.argmax(logits, axis=-1)
         else:  # each row by its own rule; a sampling row draws its next key, as alone
             chosen = mx.stack([s.choose_next(logits[i]) for i, s in enumerate(rows)])
@@ -225,7 +225,8 @@ class Batch:
             mx.async_eval(self._ahead[0])
         chosen, logits, shape = self._ahead
         self._ahead = None
-        if all(layer.is_trimmable() for layer in self.cache):
+        # Not with a row under a grammar: its mask for the next step needs this step's token on the host.
+        if all(layer.is_trimmable() for layer in self.cache) and not any(s.constrained for s in self.rows):
             self._ahead = self._forward(chosen[:, None].astype(mx.uint32))
             mx.async_eval(self._ahead[0])
         rounds = self._deliver(chosen, logits)

@@ -18,6 +18,14 @@ implementations of ``step``, after Ollama's x/mlxrunner:
 Both prefill the prompt (from wherever a prompt-cache hit left the caches) in
 chunks a ``PrefillPlanner`` sizes, and report the state they end in for the
 prompt cache.
+
+A request under a grammar (``runner.constraint``) takes ``_constrained_round``
+instead, in both decoders: the tokens the grammar forces go into the forward
+pass as certain drafts (no drafter, no verification); otherwise the drafter's
+proposal (if any) is walked through the grammar and cut after its first
+forbidden token (which the target then rejects, as it would); every verified
+row is masked, the grammar takes back the rejected drafts. Its rounds are not
+pipelined: a position's mask needs the token before it on the host.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from .constraint import Constraint, apply_masks
 from .depth import DepthController, FixedDepth
 from .drafters import ModelDrafter, Proposal
 from .prefill import PrefillPlanner
@@ -42,6 +51,7 @@ class Step:
     drafted: int = 0
     accepted: int = 0
     logits: mx.array | None = None  # row i chose tokens[i] (the target's raw logits)
+    forced: int = 0  # of ``drafted``: tokens a grammar forced (certain, no drafter)
 
 
 @dataclass
@@ -61,6 +71,8 @@ class Decoder:
         self.pending = prompt_ids[-1]
         self.stats = DecoderStats()
         self._queued: tuple[mx.array, mx.array] | None = None  # (token, logits) a pipelined round queued
+        self.constraint: Constraint | None = None  # the request's grammar (set by the engine)
+        self.stop_ids: frozenset[int] = frozenset()  # tokens that end the request: never forced ahead
 
     # -- prefill --------------------------------------------------------------------------------------
 
@@ -114,7 +126,9 @@ class Decoder:
 
     def choose_next(self, logits: mx.array) -> mx.array:
         """The token after ``logits`` (lazy), drawing this request's next random key when it samples:
-        one key per token, alone or in a batch."""
+        one key per token, alone or in a batch; under a grammar, among the tokens it allows here."""
+        if self.constraint is not None:
+            logits = apply_masks(logits[None], [self.constraint.mask()])[0]
         return self.choose(logits, None if self.params.greedy else self._keys(1)[0])
 
     def _queue(self, token) -> tuple[mx.array, mx.array]:
@@ -192,13 +206,84 @@ class Decoder:
 
     def fed_by_batch(self, tokens: list[int]) -> None:
         """A batched step fed ``pending`` and chose ``tokens``."""
+        if self.constraint is not None:
+            for token in tokens:
+                self.constraint.consume(token)
         self._take(tokens)
+
+    # -- under a grammar (runner.constraint) ----------------------------------------------------------
+
+    def _propose(self, k: int, key) -> Proposal | None:
+        """A drafter's proposal for a constrained round (none for a plain decoder)."""
+        return None
+
+    def _rewind(self, fed: list[int], keep: int) -> None:
+        """The target saw ``fed`` in a constrained round and keeps the first ``keep`` of it."""
+        if keep != len(fed):
+            raise AssertionError("a plain decoder never has drafts to take back")
+
+    def _constrained_round(self, budget: int, k: int) -> Step:
+        """One round under the grammar: forced tokens, or up to ``k`` drafts walked through it, verified on
+        masked rows; never more than ``budget`` tokens."""
+        constraint = self.constraint
+        forced, mask = constraint.forced(budget - 1, self.stop_ids)
+        drafts, masks, proposal, walked = [], [mask], None, 0
+        draft_key, verify_key = (None, None) if self.params.greedy else self._keys(2)
+        if not forced and k > 0 and budget > 1:
+            proposal = self._propose(min(k, budget - 1), draft_key)
+            for token in proposal.tokens.tolist() if proposal is not None else []:
+                drafts.append(token)
+                if not constraint.allows(masks[-1], token):
+                    break  # the target will reject it: its row's mask allows it nothing
+                constraint.consume(token)
+                walked += 1
+                masks.append(constraint.mask())
+        fed = [self.pending] + forced + drafts
+        if drafts:
+            self._snapshot()
+        logits = self.model(mx.array(fed, dtype=mx.uint32)[None], cache=self.cache)[0]
+        # Rows len(forced).. verify the drafts; a row after a forbidden draft is never reached (no mask).
+        rows = apply_masks(logits[len(forced) :], masks + [None] * (len(drafts) + 1 - len(masks)))
+        if not drafts:
+            verdict_accepted, next_token = 0, self.choose(rows[0], verify_key)
+            mx.eval(next_token)
+        else:
+            if self.params.greedy:
+                verdict = verify_greedy(rows, mx.array(drafts, dtype=mx.uint32))
+            else:
+                p = filtered_probs(rows, self.params)
+                proposed = mx.array(drafts, dtype=mx.uint32)
+                q = proposal.probs[: len(drafts)] if proposal.probs is not None else point_mass(proposed, p.shape[-1])
+                verdict = verify_sampled(p, q, proposed, verify_key)
+            mx.eval(verdict.accepted, verdict.next_token)
+            verdict_accepted, next_token = verdict.accepted.item(), verdict.next_token
+        token = next_token.item()
+        constraint.rollback(walked - verdict_accepted)
+        constraint.consume(token)
+        tokens = forced + drafts[:verdict_accepted] + [token]
+        if drafts:
+            self._rewind(fed, 1 + len(forced) + verdict_accepted)
+            self._drafts_kept(proposal, verdict_accepted)
+        self._take(tokens)
+        self.held = len(self.tokens) - 1
+        return Step(tokens, len(forced) + len(drafts), len(forced) + verdict_accepted, logits, len(forced))
+
+    def _snapshot(self) -> None:
+        pass
+
+    def _drafts_kept(self, proposal: Proposal, accepted: int) -> None:
+        pass
 
 
 class PlainDecoder(Decoder):
-    """One token a round, the next forward pass queued before the host reads this one."""
+    """One token a round, the next forward pass queued before the host reads this one (under a grammar: the
+    tokens it forces and one more)."""
 
     def step(self, budget: int) -> Step:
+        if self.constraint is not None:
+            step = self._constrained_round(budget, 0)
+            self.stats.depths[step.drafted] += 1
+            return step
         self.stats.depths[0] += 1
         return self._pipelined_step(budget)
 
@@ -258,7 +343,25 @@ class SpeculativeDecoder(Decoder):
         self.rewinder = Rewinder(self.model, self.cache)
         self._last_end = None  # its last solo round ended before the batch: the next one is not timed
 
+    def _propose(self, k: int, key) -> Proposal | None:
+        proposal = self.drafter.propose(self.tokens, k, self.params, key) if self.drafter.ready() else None
+        if proposal is not None and proposal.size > k:
+            proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])
+        return proposal
+
+    def _snapshot(self) -> None:
+        self.rewinder.snapshot()
+
+    def _rewind(self, fed: list[int], keep: int) -> None:
+        self.rewinder.rewind(fed, keep)
+
+    def _drafts_kept(self, proposal: Proposal, accepted: int) -> None:
+        if proposal is not None:
+            self.drafter.accepted(proposal, accepted)
+
     def step(self, budget: int) -> Step:
+        if self.constraint is not None:
+            return self._constrained_step(budget)
         # A request's first round is not timed (None): it carries one-off costs, such as the cache's first
         # growth past the prompt.
         started = self._last_end
@@ -282,6 +385,18 @@ class SpeculativeDecoder(Decoder):
         # 0's time stays that of pipelined plain rounds.
         self._last_end = time.perf_counter()
         self.depth.record(step.drafted or k, step.accepted, None if started is None else self._last_end - started)
+        self.stats.depths[step.drafted] += 1
+        return step
+
+    def _constrained_step(self, budget: int) -> Step:
+        """A round under the grammar; the depth controller learns only from rounds its drafter proposed (forced
+        tokens are certain: they say nothing of the drafter)."""
+        started = self._last_end
+        k = self.depth.choose() if self.drafter.ready() else 0
+        step = self._constrained_round(budget, k)
+        self._last_end = time.perf_counter()
+        if not step.forced:
+            self.depth.record(step.drafted or k, step.accepted, None if started is None else self._last_end - started)
         self.stats.depths[step.drafted] += 1
         return step
 

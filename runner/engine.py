@@ -31,6 +31,7 @@ from common.footprint import ModelFootprint, default_prompt_cache_bytes, resolve
 from common.settings import CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED, RunnerSettings
 
 from .batch_memory import CacheCost
+from .constraint import Grammars
 from .decoders import Decoder, PlainDecoder, SpeculativeDecoder
 from .depth import DepthController, FixedDepth
 from .drafters import ModelDrafter, NgramDrafter
@@ -93,6 +94,7 @@ class Engine:
         self.settings = settings
         self.tokenizer = target.tokenizer
         self.vocab_size = target.vocab_size
+        self.grammars = Grammars(self.tokenizer, self.vocab_size)  # constrained output (runner.constraint)
         self.device = device_name()
         self.dtype_reason = dtype_reason or f"dtype = {target.dtype!r}"
         self.cache_limit = apply_cache_limit(settings.cache_limit)
@@ -239,6 +241,7 @@ class Engine:
             context_length=self.context_length,
             default_num_draft_tokens=self.default_num_draft_tokens,
             can_draft=self.speculative or bool(request.drafter and request.drafter != "none"),
+            grammars=self.grammars,
         )
 
     def prefill_planner(self) -> PrefillPlanner:
@@ -269,7 +272,13 @@ class Engine:
         )
 
     def decoder(self, prepared: PreparedRequest, reuse: Hit) -> Decoder:
-        """The decoder for one request: plain, or speculative with its drafter and depth."""
+        """The decoder for one request: plain, or speculative with its drafter and depth; with its grammar."""
+        decoder = self._decoder(prepared, reuse)
+        decoder.constraint = prepared.constraint
+        decoder.stop_ids = prepared.eos_ids
+        return decoder
+
+    def _decoder(self, prepared: PreparedRequest, reuse: Hit) -> Decoder:
         request = prepared.request
         drafter = request.drafter or self.default_drafter
         pinned = request.num_draft_tokens if request.num_draft_tokens is not None else self.settings.num_draft_tokens

@@ -54,6 +54,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     drafter: str = ""  # "" = the engine's setting
     cache_prompt: bool = True  # reuse and keep KV caches in the prompt cache
+    grammar: str = ""  # constrained output (runner.constraint); "" = free text
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class PreparedRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     cache_prompt: bool = True
+    constraint: object = None  # runner.constraint.Constraint: the request's grammar state, or None
 
     @property
     def request_id(self) -> str:
@@ -124,6 +126,7 @@ def prepare(
     context_length: int,
     default_num_draft_tokens: int,
     can_draft: bool,
+    grammars=None,
 ) -> PreparedRequest:
     """Validate (``common.requests.check_fields``: the same judge as the supervisor's) and tokenize ``request``
     once; raises InvalidRequest naming the field."""
@@ -133,6 +136,7 @@ def prepare(
         raise InvalidRequest("prompt", f"{len(prompt_ids)} tokens do not fit the context of {context_length}")
     if not prompt_ids:
         raise InvalidRequest("prompt", "is empty once tokenized")
+    constraint = grammars.constraint(request.grammar) if request.grammar else None
     k = default_num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
     eos_ids = frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids)
     if request.messages and not request.ignore_eos:
@@ -148,4 +152,5 @@ def prepare(
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
         cache_prompt=request.cache_prompt,
+        constraint=constraint,
     )

@@ -124,6 +124,11 @@ class Session:
         return self._decoder.params.greedy
 
     @property
+    def constrained(self) -> bool:
+        """Under a grammar: its token after a batched step needs the mask after its previous token."""
+        return self._decoder.constraint is not None
+
+    @property
     def pending(self) -> int:
         """The last token chosen, which its cache has not seen yet: the batch feeds it next."""
         return self._decoder.pending
@@ -176,6 +181,9 @@ class Session:
             if decision.finish_reason is not None:
                 self.finish_reason = decision.finish_reason
                 break
+        constraint = self._decoder.constraint
+        if self.finish_reason is None and constraint is not None and constraint.finished:
+            self.finish_reason = FinishReason.STOP  # the grammar is complete (its end consumed, even if emitted)
         logprobs = (
             token_logprobs(self._tokenizer, logits, emitted, self.prepared.top_logprobs)
             if self.prepared.logprobs

@@ -10,9 +10,10 @@ Generate (``Supervisor.generate``), and every error the same mapping to a
 status (``common.status``), here as an HTTP status with OpenAI's error shape:
 ``{"error": {"message", "type", "param", "code"}}``. Unknown request fields are
 ignored, except OpenAI's that ask for something this server does not do yet
-(``tools``, ``response_format``, penalties, ...: ``NOT_HONOURED``), which are a
-400 naming the field; malformed or wrong-typed ones are a 400 naming the field. The schemas
-check only types: whether a value is in range is decided by
+(``tools``, ``logit_bias``, penalties, ...: ``NOT_HONOURED``), which are a
+400 naming the field. ``response_format`` and vLLM's ``guided_*`` become the
+runner's ``grammar`` (``grammar_of``; runner.constraint). Malformed or
+wrong-typed fields are a 400 naming the field. The schemas check only types: whether a value is in range is decided by
 ``common.requests.check_fields``, the same judge and wording as the gRPC API's
 and the runner's, called before the message is built (a value no message field
 holds, or a string with a lone surrogate, is a 400 too, never a 5xx). A client that
@@ -97,7 +98,6 @@ NOT_HONOURED = {
     "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
-    "response_format": lambda v: not (v is None or (isinstance(v, dict) and v.get("type") == "text")),
     "logit_bias": lambda v: bool(v),
     "presence_penalty": lambda v: v not in (None, 0, 0.0),
     "frequency_penalty": lambda v: v not in (None, 0, 0.0),
@@ -106,10 +106,6 @@ NOT_HONOURED = {
     "prediction": lambda v: v is not None,
     "audio": lambda v: v is not None,
     "modalities": lambda v: v not in (None, ["text"]),
-    "guided_json": lambda v: v is not None,
-    "guided_regex": lambda v: v is not None,
-    "guided_grammar": lambda v: v is not None,
-    "guided_choice": lambda v: v is not None,
 }
 # The same for a message of the history: an assistant's earlier tool calls.
 MESSAGE_NOT_HONOURED = {"tool_calls": lambda v: bool(v)}
@@ -162,6 +158,77 @@ class StreamOptions(Schema):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(Schema):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(Schema):
+    type: StrictStr
+    json_schema: JsonSchemaFormat | None = None
+
+
+def grammar_of(
+    response_format: ResponseFormat | None,
+    guided_json=None,
+    guided_regex: str | None = None,
+    guided_grammar: str | None = None,
+    guided_choice: list | None = None,
+) -> str:
+    """The runner's ``grammar`` field (runner.constraint) for OpenAI's ``response_format`` or vLLM's ``guided_*``
+    extensions (at most one of them); "" for free text."""
+    asked = [
+        (name, value)
+        for name, value in (
+            ("response_format", response_format if response_format and response_format.type != "text" else None),
+            ("guided_json", guided_json),
+            ("guided_regex", guided_regex),
+            ("guided_grammar", guided_grammar),
+            ("guided_choice", guided_choice),
+        )
+        if value is not None
+    ]
+    if not asked:
+        return ""
+    if len(asked) > 1:
+        raise ServiceError(
+            Code.INVALID_ARGUMENT, f"{asked[1][0]}: set one of {asked[0][0]} and {asked[1][0]}", asked[1][0]
+        )
+    name, value = asked[0]
+    if name == "response_format":
+        if value.type == "json_object":
+            return json.dumps({"json_object": True})
+        if value.type != "json_schema":
+            raise ServiceError(
+                Code.INVALID_ARGUMENT,
+                f"response_format.type: {value.type!r} is not one of text, json_object, json_schema",
+                "response_format.type",
+            )
+        if value.json_schema is None or value.json_schema.schema_ is None:
+            raise ServiceError(
+                Code.INVALID_ARGUMENT, "response_format.json_schema.schema: missing", "response_format.json_schema"
+            )
+        return json.dumps({"json_schema": value.json_schema.schema_})
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ServiceError(Code.INVALID_ARGUMENT, "guided_json: is not JSON", name) from None
+        if not isinstance(value, dict):
+            raise ServiceError(Code.INVALID_ARGUMENT, "guided_json: must be a JSON schema (an object)", name)
+        return json.dumps({"json_schema": value})
+    if name == "guided_choice":
+        if not value or not all(isinstance(choice, str) and choice for choice in value):
+            raise ServiceError(Code.INVALID_ARGUMENT, "guided_choice: must be a list of non-empty strings", name)
+        return json.dumps({"lark": "start: " + " | ".join(json.dumps(choice) for choice in value)})
+    if not isinstance(value, str):
+        raise ServiceError(Code.INVALID_ARGUMENT, f"{name}: must be a string", name)
+    return json.dumps({"regex": value} if name == "guided_regex" else {"lark": value})
+
+
 class Sampling(Schema):
     """The fields chat and completions share. Unknown fields are kept aside (``model_extra``) so that one
     this server cannot honour is refused (``NOT_HONOURED``); others are ignored."""
@@ -184,6 +251,12 @@ class Sampling(Schema):
     ignore_eos: StrictBool = False
     num_draft_tokens: StrictInt | None = None
     drafter: StrictStr | None = None
+    # Constrained output: OpenAI's response_format (chat), vLLM's guided_* (both APIs); runner.constraint
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_grammar: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
 
     def sampling_fields(self, max_tokens: int | None) -> dict:
         """The shared fields as ``common.requests.check_fields`` and the message take them, OpenAI's defaults
@@ -201,6 +274,9 @@ class Sampling(Schema):
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             "num_draft_tokens": self.num_draft_tokens,
             "drafter": self.drafter or "",
+            "grammar": grammar_of(
+                self.response_format, self.guided_json, self.guided_regex, self.guided_grammar, self.guided_choice
+            ),
         }
 
     def build(self, fields: dict, messages=()) -> supervisor_pb2.GenerateRequest:

@@ -15,6 +15,27 @@ def engine() -> Engine:
     return Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings())
 
 
+@pytest.fixture(scope="session")
+def chat_supervisor(tmp_path_factory):
+    """One supervisor for the client API tests (test_chat_api, test_structured_output): SmolLM2 ("smol", the
+    chat model), the default pair ("pair", no chat template, speculates) and a model with no queue ("busy")."""
+    from common.defaults import SMOLLM2_DIR
+    from tests.helpers import CHAT_TOKEN
+    from tests.processes import SupervisorProcess, model_toml
+
+    models = (
+        model_toml("smol", target=SMOLLM2_DIR, draft=None)
+        + model_toml("pair")
+        + model_toml("busy", max_queue=0, max_batch=1)
+    )
+    # With the cyclic collector off, a stream whose runner call were released only when collected stays held.
+    sup = SupervisorProcess(
+        tmp_path_factory.mktemp("chat"), models, collector=False, auth_token=CHAT_TOKEN, log_format="json"
+    ).wait_ready(180)
+    yield sup
+    assert sup.stop() == 0
+
+
 @pytest.fixture
 def restore_cache_limit():
     """Engines set MLX's process-wide pool cap; put it back after the test."""

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from common.defaults import DEFAULT_DRAFT
 
+CHAT_TOKEN = "chat-test-token"  # the API key of the client API tests' supervisor (conftest.chat_supervisor)
+
 
 def collect(rounds):
     """All token ids, the whole text and the final round of a generation."""

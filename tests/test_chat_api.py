@@ -19,29 +19,19 @@ import httpx
 import openai
 import pytest
 
-from common.defaults import SMOLLM2_DIR
 from common.protocol import runner_pb2
 from supervisor.protocol import supervisor_pb2
-from tests.processes import SupervisorProcess, child_environment, model_toml, wait_until
+from tests.helpers import CHAT_TOKEN
+from tests.processes import child_environment, wait_until
 
-TOKEN = "chat-test-token"
+TOKEN = CHAT_TOKEN
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The for statement is used to iterate over the elements of a sequence"
 
 
 @pytest.fixture(scope="module")
-def sup(tmp_path_factory):
-    models = (
-        model_toml("smol", target=SMOLLM2_DIR, draft=None)
-        + model_toml("pair")
-        + model_toml("busy", max_queue=0, max_batch=1)
-    )
-    # With the cyclic collector off, a stream whose runner call were released only when collected stays held.
-    sup = SupervisorProcess(
-        tmp_path_factory.mktemp("chat"), models, collector=False, auth_token=TOKEN, log_format="json"
-    ).wait_ready(180)
-    yield sup
-    assert sup.stop() == 0
+def sup(chat_supervisor):
+    return chat_supervisor
 
 
 @pytest.fixture(scope="module")
@@ -238,8 +228,6 @@ WEATHER_TOOL = {
     [
         ({"tools": [WEATHER_TOOL]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
         ({"logit_bias": {"50": -100}}, "logit_bias"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 1.0}, "frequency_penalty"),
@@ -247,7 +235,7 @@ WEATHER_TOOL = {
     ],
 )
 def test_a_field_the_server_cannot_honour_is_refused_not_ignored(client, fields, param):
-    """Until tool calls and constrained output exist (issue #21), asking for them is a 400 naming the field:
+    """Until tool calls and logit processors exist (issue #21), asking for them is a 400 naming the field:
     an agent or an SDK's parse() would otherwise get free text and fail later, far from the cause."""
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="smol", messages=CAPITAL, max_tokens=4, **fields)
