@@ -24,6 +24,7 @@ INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 256
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI's own limit)
 ROLES = ("system", "user", "assistant", "tool")
 # A request message must reach the runner: the gRPC limit, less room for the fields around the prompt.
 MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
@@ -73,6 +74,7 @@ def check_fields(
     drafter: str = "",
     chat_template_kwargs: str = "",
     grammar: str = "",
+    logit_bias=(),
 ) -> None:
     """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs;
     ``chat_template_kwargs``: a JSON object, as text."""
@@ -118,6 +120,14 @@ def check_fields(
     template_kwargs(chat_template_kwargs)
     if grammar:
         _text("grammar", grammar)
+    bias = dict(logit_bias)
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens")
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= INT32_MAX:
+            raise InvalidRequest("logit_bias", f"keys must be token ids, not {token!r}")
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and -100 <= value <= 100):
+            raise InvalidRequest("logit_bias", f"token {token}: the bias must lie in [-100, 100]")
 
 
 def template_kwargs(text: str) -> dict:
@@ -166,4 +176,5 @@ def fields_of(message) -> dict:
         drafter=message.drafter,
         chat_template_kwargs=message.chat_template_kwargs,
         grammar=message.grammar,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
     )

@@ -191,7 +191,7 @@ class Batch:
         """Build one batched forward pass of ``inputs`` (one token a row) and each row's choice after it."""
         rows = self.rows
         logits = self.model(inputs, cache=self.cache)[:, -1, :]
-        if all(s.greedy and not s.constrained for s in rows):
+        if all(s.plain_choice for s in rows):
             chosen = mx.argmax(logits, axis=-1)
         else:  # each row by its own rule; a sampling row draws its next key, as alone
             chosen = mx.stack([s.choose_next(logits[i]) for i, s in enumerate(rows)])

@@ -47,6 +47,7 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separa
 KINDS = ("json_schema", "json_object", "regex", "lark")
 SAFE_INTEGER = (-(2**53 - 1), 2**53 - 1)  # JSON's interoperable range (RFC 8259, section 6)
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+LITERALS = ("const", "enum", "default", "examples")  # values, not schemas: left as they are
 
 
 def bounded_integers(schema):
@@ -55,7 +56,7 @@ def bounded_integers(schema):
         return [bounded_integers(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    copy = {key: bounded_integers(value) for key, value in schema.items()}
+    copy = {key: value if key in LITERALS else bounded_integers(value) for key, value in schema.items()}
     kind = schema.get("type")
     if (kind == "integer" or (isinstance(kind, list) and kind == ["integer"])) and not any(b in schema for b in BOUNDS):
         copy["minimum"], copy["maximum"] = SAFE_INTEGER
@@ -75,6 +76,8 @@ def grammar_text(spec: str) -> str:
         parsed = json.loads(spec)
     except json.JSONDecodeError as error:
         raise InvalidRequest("grammar", f"is not JSON: {error}") from None
+    except RecursionError:
+        raise InvalidRequest("grammar", "is nested too deeply") from None
     if not isinstance(parsed, dict) or len(parsed) != 1 or next(iter(parsed)) not in KINDS:
         raise InvalidRequest("grammar", f"must be an object with one of {', '.join(KINDS)}")
     kind, value = next(iter(parsed.items()))
@@ -84,7 +87,11 @@ def grammar_text(spec: str) -> str:
         if kind == "json_schema":
             if not isinstance(value, dict):
                 raise InvalidRequest("grammar", "json_schema must be a JSON object (a schema)")
-            return llguidance.LLMatcher.grammar_from_json_schema(bounded_integers(value), defaults=JSON_OPTIONS)
+            try:
+                value = bounded_integers(value)
+            except RecursionError:
+                raise InvalidRequest("grammar", "the schema is nested too deeply") from None
+            return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
         if not isinstance(value, str):
             raise InvalidRequest("grammar", f"{kind} must be a string")
         return (
@@ -99,9 +106,12 @@ def grammar_text(spec: str) -> str:
 class Grammars:
     """The tokenizer index and the compiled grammars of one engine."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, end_ids=()):
+        """``end_ids``: every token that may end an answer (EOS and the template's end of turn): the grammar
+        allows each of them once it is complete."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self._end_ids = sorted(end_ids)
         self._index = None
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()  # requests are prepared on gRPC threads
@@ -114,7 +124,7 @@ class Grammars:
 
             hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
             try:
-                self._index = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
+                self._index = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self._end_ids or None)
             except (ValueError, TypeError, AttributeError) as error:
                 raise InvalidRequest("grammar", f"this model's tokenizer cannot be constrained: {error}") from None
         return self._index
@@ -147,8 +157,12 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "the grammar is invalid"
 
 
-class ConstraintBroken(RuntimeError):
-    """The matcher refused a token the mask allowed (a bug, or a grammar beyond llguidance's limits)."""
+class ConstraintBroken(InvalidRequest):
+    """The matcher refused a token the mask allowed, or could not go on (a grammar beyond llguidance's limits at
+    decode time): that request ends with this error, the others go on (runner.session)."""
+
+    def __init__(self, message: str):
+        super().__init__("grammar", message)
 
 
 class Constraint:

@@ -73,6 +73,7 @@ class Decoder:
         self._queued: tuple[mx.array, mx.array] | None = None  # (token, logits) a pipelined round queued
         self.constraint: Constraint | None = None  # the request's grammar (set by the engine)
         self.stop_ids: frozenset[int] = frozenset()  # tokens that end the request: never forced ahead
+        self.bias: mx.array | None = None  # added to every row the request chooses from (logit_bias)
 
     # -- prefill --------------------------------------------------------------------------------------
 
@@ -119,10 +120,29 @@ class Decoder:
         self.key, *keys = mx.random.split(self.key, n + 1)
         return keys
 
+    def set_logit_bias(self, pairs, vocab: int) -> None:
+        """OpenAI's logit_bias: ``pairs`` of (token id, value) added to those tokens' logits before any choice."""
+        if pairs:
+            tokens, values = zip(*pairs)
+            self.bias = mx.zeros(vocab).at[mx.array(tokens)].add(mx.array(values))
+
+    def process(self, logits: mx.array) -> mx.array:
+        """The rows a choice is made from: the raw logits plus the request's bias (the raw ones feed logprobs)."""
+        return logits if self.bias is None else logits + self.bias.astype(logits.dtype)
+
+    @property
+    def plain_choice(self) -> bool:
+        """Greedy on the raw logits: a batch may take the argmax of its rows at once."""
+        return self.params.greedy and self.bias is None and self.constraint is None
+
     def choose(self, logits: mx.array, key) -> mx.array:
+        """The token after raw ``logits`` (the bias added here)."""
+        return self._pick(self.process(logits), key)
+
+    def _pick(self, rows: mx.array, key) -> mx.array:
         if self.params.greedy:
-            return mx.argmax(logits, axis=-1)
-        return sample(filtered_probs(logits, self.params), key)
+            return mx.argmax(rows, axis=-1)
+        return sample(filtered_probs(rows, self.params), key)
 
     def choose_next(self, logits: mx.array) -> mx.array:
         """The token after ``logits`` (lazy), drawing this request's next random key when it samples:
@@ -227,25 +247,31 @@ class Decoder:
         masked rows; never more than ``budget`` tokens."""
         constraint = self.constraint
         forced, mask = constraint.forced(budget - 1, self.stop_ids)
-        drafts, masks, proposal, walked = [], [mask], None, 0
+        drafts, masks, proposal = [], [mask], None
+        consumed = []  # per draft: whether the matcher took it (an end token after the grammar's end is a no-op)
         draft_key, verify_key = (None, None) if self.params.greedy else self._keys(2)
         if not forced and k > 0 and budget > 1:
             proposal = self._propose(min(k, budget - 1), draft_key)
             for token in proposal.tokens.tolist() if proposal is not None else []:
                 drafts.append(token)
                 if not constraint.allows(masks[-1], token):
+                    consumed.append(False)
                     break  # the target will reject it: its row's mask allows it nothing
-                constraint.consume(token)
-                walked += 1
+                ended = constraint.finished
+                if not ended:
+                    constraint.consume(token)
+                consumed.append(not ended)
                 masks.append(constraint.mask())
+                if ended:
+                    break  # nothing follows the grammar's end
         fed = [self.pending] + forced + drafts
         if drafts:
             self._snapshot()
         logits = self.model(mx.array(fed, dtype=mx.uint32)[None], cache=self.cache)[0]
         # Rows len(forced).. verify the drafts; a row after a forbidden draft is never reached (no mask).
-        rows = apply_masks(logits[len(forced) :], masks + [None] * (len(drafts) + 1 - len(masks)))
+        rows = apply_masks(self.process(logits[len(forced) :]), masks + [None] * (len(drafts) + 1 - len(masks)))
         if not drafts:
-            verdict_accepted, next_token = 0, self.choose(rows[0], verify_key)
+            verdict_accepted, next_token = 0, self._pick(rows[0], verify_key)
             mx.eval(next_token)
         else:
             if self.params.greedy:
@@ -258,8 +284,9 @@ class Decoder:
             mx.eval(verdict.accepted, verdict.next_token)
             verdict_accepted, next_token = verdict.accepted.item(), verdict.next_token
         token = next_token.item()
-        constraint.rollback(walked - verdict_accepted)
-        constraint.consume(token)
+        constraint.rollback(sum(consumed[verdict_accepted:]))
+        if not constraint.finished:
+            constraint.consume(token)
         tokens = forced + drafts[:verdict_accepted] + [token]
         if drafts:
             self._rewind(fed, 1 + len(forced) + verdict_accepted)
@@ -424,9 +451,9 @@ class SpeculativeDecoder(Decoder):
             0
         ]
         if self.params.greedy:
-            verdict = verify_greedy(logits, proposal.tokens)
+            verdict = verify_greedy(self.process(logits), proposal.tokens)
         else:
-            p = filtered_probs(logits, self.params)
+            p = filtered_probs(self.process(logits), self.params)
             q = proposal.probs if proposal.probs is not None else point_mass(proposal.tokens, p.shape[-1])
             verdict = verify_sampled(p, q, proposal.tokens, verify_key)
         mx.eval(verdict.accepted, verdict.next_token)

@@ -41,7 +41,7 @@ from .platform import auto_dtype, device_name
 from .prefill import PrefillPlanner
 from .prompt_cache import Hit, PromptCache
 from .release import ReleaseSchedule
-from .request import GenerationRequest, PreparedRequest, prepare
+from .request import GenerationRequest, PreparedRequest, end_of_turn_ids, prepare
 from .results import Round
 from .session import Session
 
@@ -94,7 +94,9 @@ class Engine:
         self.settings = settings
         self.tokenizer = target.tokenizer
         self.vocab_size = target.vocab_size
-        self.grammars = Grammars(self.tokenizer, self.vocab_size)  # constrained output (runner.constraint)
+        # Constrained output (runner.constraint): a complete grammar allows every token that ends an answer.
+        ends = frozenset(self.tokenizer.eos_token_ids) | end_of_turn_ids(self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, ends)
         self.device = device_name()
         self.dtype_reason = dtype_reason or f"dtype = {target.dtype!r}"
         self.cache_limit = apply_cache_limit(settings.cache_limit)
@@ -276,6 +278,7 @@ class Engine:
         decoder = self._decoder(prepared, reuse)
         decoder.constraint = prepared.constraint
         decoder.stop_ids = prepared.eos_ids
+        decoder.set_logit_bias(prepared.logit_bias, self.vocab_size)
         return decoder
 
     def _decoder(self, prepared: PreparedRequest, reuse: Hit) -> Decoder:

@@ -55,6 +55,7 @@ class GenerationRequest:
     drafter: str = ""  # "" = the engine's setting
     cache_prompt: bool = True  # reuse and keep KV caches in the prompt cache
     grammar: str = ""  # constrained output (runner.constraint); "" = free text
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class PreparedRequest:
     top_logprobs: int = 0
     cache_prompt: bool = True
     constraint: object = None  # runner.constraint.Constraint: the request's grammar state, or None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -136,6 +138,8 @@ def prepare(
         raise InvalidRequest("prompt", f"{len(prompt_ids)} tokens do not fit the context of {context_length}")
     if not prompt_ids:
         raise InvalidRequest("prompt", "is empty once tokenized")
+    if any(token >= vocab_size for token, _ in request.logit_bias):
+        raise InvalidRequest("logit_bias", f"token ids must lie in [0, {vocab_size})")
     constraint = grammars.constraint(request.grammar) if request.grammar else None
     k = default_num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
     eos_ids = frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids)
@@ -153,4 +157,5 @@ def prepare(
         top_logprobs=request.top_logprobs,
         cache_prompt=request.cache_prompt,
         constraint=constraint,
+        logit_bias=tuple(request.logit_bias),
     )

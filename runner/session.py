@@ -27,6 +27,7 @@ from mlx_lm.models.cache import KVCache
 
 from common.requests import FinishReason
 
+from .constraint import ConstraintBroken
 from .decoders import Decoder
 from .prefill import PrefillPlanner
 from .release import ReleaseSchedule
@@ -64,6 +65,7 @@ class Session:
         self.prefilled = False
         self.finish_reason: FinishReason | None = None
         self.final = None  # the final Round, once there is one
+        self.error: ConstraintBroken | None = None  # its grammar could not go on: it ends with this error
         self._in_batch = False  # its cache lives in a Batch
 
     # -- prefill ------------------------------------------------------------------------------------
@@ -110,8 +112,17 @@ class Session:
     def solo_round(self) -> Round:
         """One round of its own decoder (plain or speculative)."""
         assert not self._in_batch, "a session in a batch decodes through it"
-        step = self._decoder.step(self.budget)
+        try:
+            step = self._decoder.step(self.budget)
+        except ConstraintBroken as error:
+            return self._broken(error)
         return self._take(step.tokens, step.drafted, step.accepted, step.logits)
+
+    def _broken(self, error: ConstraintBroken) -> Round:
+        """Its grammar failed (runner.constraint): it ends, with the error, and its caches are not kept."""
+        self.error = error
+        self.finish_reason = FinishReason.STOP
+        return Round([], "")
 
     # -- in a batch (runner.batch) ------------------------------------------------------------------
 
@@ -122,6 +133,11 @@ class Session:
     @property
     def greedy(self) -> bool:
         return self._decoder.params.greedy
+
+    @property
+    def plain_choice(self) -> bool:
+        """Its token after a batched step is the argmax of its raw row (greedy, no bias, no grammar)."""
+        return self._decoder.plain_choice
 
     @property
     def constrained(self) -> bool:
@@ -156,7 +172,10 @@ class Session:
 
     def batch_step(self, token: int, logits: mx.array) -> Round:
         """A batched step fed ``pending`` and chose ``token`` (``logits``: its row, (1, vocab))."""
-        self._decoder.fed_by_batch([token])
+        try:
+            self._decoder.fed_by_batch([token])
+        except ConstraintBroken as error:
+            return self._broken(error)
         self._decoder.stats.depths[0] += 1
         return self._take([token], 0, 0, logits)
 
@@ -223,7 +242,7 @@ class Session:
             return self.final
         stats = self.stats
         try:
-            if self._keep is not None and not self._in_batch and self._decoder.cache is not None:
+            if self._keep is not None and not self._in_batch and self._decoder.cache is not None and not self.error:
                 self._keep(*self._decoder.cached_state())
             stats.depths = dict(self._decoder.stats.depths)
             self._decoder.close()

@@ -303,7 +303,7 @@ class MlxWorker:
             self._batch.leave(leaving, give_back=[s.keeps_cache for s in leaving])
         for job, last in ended:
             final = job.session.final_round(last)
-            job.rounds.put(final)
+            job.rounds.put(job.session.error or final)  # a request whose grammar failed ends with the error
             job.rounds.put(None)
             with self._lock:
                 self._active.remove(job)

@@ -10,7 +10,7 @@ Generate (``Supervisor.generate``), and every error the same mapping to a
 status (``common.status``), here as an HTTP status with OpenAI's error shape:
 ``{"error": {"message", "type", "param", "code"}}``. Unknown request fields are
 ignored, except OpenAI's that ask for something this server does not do yet
-(``tools``, ``logit_bias``, penalties, ...: ``NOT_HONOURED``), which are a
+(``tools``, the penalties, ...: ``NOT_HONOURED``), which are a
 400 naming the field. ``response_format`` and vLLM's ``guided_*`` become the
 runner's ``grammar`` (``grammar_of``; runner.constraint). Malformed or
 wrong-typed fields are a 400 naming the field. The schemas check only types: whether a value is in range is decided by
@@ -98,7 +98,6 @@ NOT_HONOURED = {
     "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
-    "logit_bias": lambda v: bool(v),
     "presence_penalty": lambda v: v not in (None, 0, 0.0),
     "frequency_penalty": lambda v: v not in (None, 0, 0.0),
     "repetition_penalty": lambda v: v not in (None, 1, 1.0),
@@ -257,6 +256,7 @@ class Sampling(Schema):
     guided_regex: StrictStr | None = None
     guided_grammar: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
+    logit_bias: dict[str, Number] | None = None
 
     def sampling_fields(self, max_tokens: int | None) -> dict:
         """The shared fields as ``common.requests.check_fields`` and the message take them, OpenAI's defaults
@@ -277,7 +277,21 @@ class Sampling(Schema):
             "grammar": grammar_of(
                 self.response_format, self.guided_json, self.guided_regex, self.guided_grammar, self.guided_choice
             ),
+            "logit_bias": self.token_biases(),
         }
+
+    def token_biases(self) -> dict[int, float]:
+        """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to numbers."""
+        biases = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:
+                message = f"logit_bias: keys must be token ids, not {key!r}"
+                raise ServiceError(Code.INVALID_ARGUMENT, message, "logit_bias")
+            if not -100 <= value <= 100:  # checked before float(): a huge integer would overflow it
+                message = f"logit_bias: token {key}: the bias must lie in [-100, 100]"
+                raise ServiceError(Code.INVALID_ARGUMENT, message, "logit_bias")
+            biases[int(key)] = float(value)
+        return biases
 
     def build(self, fields: dict, messages=()) -> supervisor_pb2.GenerateRequest:
         """The message, once ``check_fields`` has found every field in range (so each fits its message field)."""
@@ -290,6 +304,8 @@ class Sampling(Schema):
                 continue
             if isinstance(value, list):
                 getattr(proto, key).extend(value)
+            elif isinstance(value, dict):
+                getattr(proto, key).update(value)
             else:
                 setattr(proto, key, value)
         for role, content, name in messages:

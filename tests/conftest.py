@@ -36,6 +36,12 @@ def chat_supervisor(tmp_path_factory):
     assert sup.stop() == 0
 
 
+@pytest.fixture(scope="session")
+def chat_client(chat_supervisor):
+    """The official ``openai`` client of ``chat_supervisor``."""
+    return chat_supervisor.openai()
+
+
 @pytest.fixture
 def restore_cache_limit():
     """Engines set MLX's process-wide pool cap; put it back after the test."""

@@ -35,8 +35,8 @@ def sup(chat_supervisor):
 
 
 @pytest.fixture(scope="module")
-def client(sup):
-    return sup.openai()
+def client(chat_client):
+    return chat_client
 
 
 # -- chat over gRPC --------------------------------------------------------------------------------------
@@ -228,14 +228,13 @@ WEATHER_TOOL = {
     [
         ({"tools": [WEATHER_TOOL]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"logit_bias": {"50": -100}}, "logit_bias"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 1.0}, "frequency_penalty"),
         ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
     ],
 )
 def test_a_field_the_server_cannot_honour_is_refused_not_ignored(client, fields, param):
-    """Until tool calls and logit processors exist (issue #21), asking for them is a 400 naming the field:
+    """Until tool calls and the penalties exist (issue #21), asking for them is a 400 naming the field:
     an agent or an SDK's parse() would otherwise get free text and fail later, far from the cause."""
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="smol", messages=CAPITAL, max_tokens=4, **fields)
@@ -263,6 +262,24 @@ def test_a_history_with_tool_calls_is_refused_and_neutral_values_are_served(clie
         logit_bias={},
     )
     assert answer.choices[0].message.content
+
+
+def test_logit_bias_steers_the_answer_and_bad_keys_are_a_400(client):
+    answer = client.completions.create(
+        model="pair",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logit_bias={"100": 100},
+        extra_body={"ignore_eos": True},
+    )
+    text = answer.choices[0].text
+    piece = text[: len(text) // 6]
+    assert piece and text == piece * 6  # token 100, six times
+    for bias, param in (({"x": 1}, "logit_bias"), ({"²": 1}, "logit_bias"), ({"100": 10**400}, "logit_bias")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="pair", prompt=PROMPT, max_tokens=2, logit_bias=bias)
+        assert caught.value.body["param"] == param
 
 
 def test_a_full_queue_is_429(client):

@@ -20,7 +20,7 @@ import pytest
 
 from common.errors import InvalidRequest
 from common.requests import FinishReason
-from runner.constraint import Constraint, apply_masks, bounded_integers
+from runner.constraint import Constraint, ConstraintBroken, Grammars, apply_masks, bounded_integers
 from runner.request import GenerationRequest
 from runner.worker import MlxWorker
 from tests.helpers import collect
@@ -226,3 +226,46 @@ def test_batched_rows_under_grammars_equal_each_alone(engine, plain_outputs):
     assert got_free == alone_free
     for kind in GRAMMARS:
         assert got[kind] == plain_outputs[kind][0], kind
+
+
+def test_a_complete_grammar_allows_every_end_token(engine):
+    """Every token that may end an answer (EOS and the template's end of turn) is allowed once the grammar is
+    complete, not only the tokenizer's EOS."""
+    grammars = Grammars(engine.tokenizer, engine.vocab_size, end_ids={1, 2})
+    constraint = grammars.constraint(json.dumps({"regex": "ab"}))
+    for token in engine.tokenizer.encode("ab", add_special_tokens=False):
+        constraint.consume(token)
+    mask = constraint.mask()
+    assert Constraint.allows(mask, 1) and Constraint.allows(mask, 2)
+
+
+def test_a_grammar_that_fails_mid_answer_ends_only_its_request(engine, monkeypatch):
+    """A matcher that refuses a token at decode time (a grammar past llguidance's limits: not something a test
+    can cause on purpose, so a stand-in raises it) ends that request with an INVALID_ARGUMENT-kind error; a
+    request decoding beside it finishes, and the worker goes on."""
+    worker = MlxWorker(engine, max_queue=8, max_batch=4)
+    worker.start()
+    try:
+        broken = engine.prepare(
+            GenerationRequest(prompt=PROMPT, grammar=GRAMMARS["json_schema"], max_tokens=60, cache_prompt=False)
+        )
+        calls = [0]
+        consume = broken.constraint.consume
+
+        def failing(token):
+            calls[0] += 1
+            if calls[0] > 5:
+                raise ConstraintBroken("a stand-in failure")
+            consume(token)
+
+        monkeypatch.setattr(broken.constraint, "consume", failing)
+        free = GenerationRequest(prompt=PROMPT, max_tokens=40, ignore_eos=True, cache_prompt=False)
+        jobs = [worker.submit(broken), worker.submit(engine.prepare(free))]
+        with pytest.raises(ConstraintBroken):
+            list(jobs[0].results())
+        assert sum(len(r.token_ids) for r in jobs[1].results()) == 40
+        after = worker.submit(engine.prepare(free))
+        assert sum(len(r.token_ids) for r in after.results()) == 40
+    finally:
+        worker.stop(cancel_running=True)
+        worker.join(10)

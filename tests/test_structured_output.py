@@ -27,18 +27,8 @@ class City(BaseModel):
     landmarks: list[str] = Field(max_length=3)  # SmolLM2 repeats a list's items for ever
 
 
-@pytest.fixture(scope="module")
-def sup(chat_supervisor):
-    return chat_supervisor
-
-
-@pytest.fixture(scope="module")
-def client(sup):
-    return sup.openai()
-
-
-def test_the_sdks_parse_returns_the_parsed_object(client):
-    answer = client.chat.completions.parse(
+def test_the_sdks_parse_returns_the_parsed_object(chat_client):
+    answer = chat_client.chat.completions.parse(
         model="smol", messages=ASK, response_format=City, temperature=0, max_tokens=200
     )
     choice = answer.choices[0]
@@ -47,10 +37,10 @@ def test_the_sdks_parse_returns_the_parsed_object(client):
     assert City.model_validate_json(choice.message.content) == choice.message.parsed
 
 
-def test_a_streamed_json_schema_answer_parses_whole(client):
+def test_a_streamed_json_schema_answer_parses_whole(chat_client):
     schema = City.model_json_schema()
     chunks = list(
-        client.chat.completions.create(
+        chat_client.chat.completions.create(
             model="smol",
             messages=ASK,
             response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
@@ -64,8 +54,8 @@ def test_a_streamed_json_schema_answer_parses_whole(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
 
-def test_json_object_answers_an_object(client):
-    answer = client.chat.completions.create(
+def test_json_object_answers_an_object(chat_client):
+    answer = chat_client.chat.completions.create(
         model="smol",
         messages=[{"role": "user", "content": "Give the name and age of a person as JSON."}],
         response_format={"type": "json_object"},
@@ -78,8 +68,8 @@ def test_json_object_answers_an_object(client):
         assert answer.choices[0].message.content.startswith("{")
 
 
-def test_guided_regex_and_choice_on_both_apis(client):
-    text = client.completions.create(
+def test_guided_regex_and_choice_on_both_apis(chat_client):
+    text = chat_client.completions.create(
         model="pair",
         prompt="The for statement",
         max_tokens=40,
@@ -87,7 +77,7 @@ def test_guided_regex_and_choice_on_both_apis(client):
         extra_body={"guided_regex": r"(is|was) [a-z]{2,10}( [a-z]{2,10}){1,4}\."},
     )
     assert re.fullmatch(r"(is|was) [a-z]{2,10}( [a-z]{2,10}){1,4}\.", text.choices[0].text), text.choices[0].text
-    choice = client.chat.completions.create(
+    choice = chat_client.chat.completions.create(
         model="smol",
         messages=[{"role": "user", "content": "Is Paris in France? Answer yes or no."}],
         max_tokens=10,
@@ -96,7 +86,7 @@ def test_guided_regex_and_choice_on_both_apis(client):
     assert choice.choices[0].message.content in ("yes", "no")
 
 
-def test_the_grpc_api_takes_a_grammar(sup):
+def test_the_grpc_api_takes_a_grammar(chat_supervisor):
     schema = {
         "type": "object",
         "properties": {"ok": {"type": "boolean"}},
@@ -105,11 +95,11 @@ def test_the_grpc_api_takes_a_grammar(sup):
     }
     request = supervisor_pb2.GenerateRequest(model="pair", prompt="The for statement", max_tokens=30)
     request.grammar = json.dumps({"json_schema": schema})
-    chunks = list(sup.client.stub.Generate(request, timeout=120, metadata=sup.client.metadata))
+    chunks = list(chat_supervisor.client.stub.Generate(request, timeout=120, metadata=chat_supervisor.client.metadata))
     jsonschema.validate(json.loads("".join(c.text for c in chunks)), schema)
     request.grammar = json.dumps({"json_schema": {"type": "nonsense"}})
     with pytest.raises(grpc.RpcError) as caught:
-        list(sup.client.stub.Generate(request, timeout=120, metadata=sup.client.metadata))
+        list(chat_supervisor.client.stub.Generate(request, timeout=120, metadata=chat_supervisor.client.metadata))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "grammar" in caught.value.details()
 
 
@@ -123,9 +113,9 @@ def test_the_grpc_api_takes_a_grammar(sup):
         ({"extra_body": {"guided_choice": []}}, "guided_choice"),
     ],
 )
-def test_a_bad_format_is_a_400_naming_it(client, fields, param):
+def test_a_bad_format_is_a_400_naming_it(chat_client, fields, param):
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="smol", messages=ASK, max_tokens=8, **fields)
+        chat_client.chat.completions.create(model="smol", messages=ASK, max_tokens=8, **fields)
     assert caught.value.status_code == 400
     if param is not None:
         assert caught.value.body["param"] == param
@@ -199,13 +189,13 @@ def _schemas() -> list[dict]:
     return schemas
 
 
-def test_fifty_schemas_sampled_at_temperature_one_all_validate_and_end(client):
+def test_fifty_schemas_sampled_at_temperature_one_all_validate_and_end(chat_client):
     """Each answer, sampled at temperature 1 (eight requests at a time, so they are batched), parses and
     validates against its schema and ends by itself: no run to max_tokens (in whitespace or anything else)."""
     schemas = _schemas()
 
     def ask(i: int):
-        answer = client.chat.completions.create(
+        answer = chat_client.chat.completions.create(
             model="smol",
             messages=[{"role": "user", "content": "Fill in this form with plausible values."}],
             response_format={"type": "json_schema", "json_schema": {"name": f"form{i}", "schema": schemas[i]}},
