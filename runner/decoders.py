@@ -51,7 +51,7 @@ class Step:
     drafted: int = 0
     accepted: int = 0
     logits: mx.array | None = None  # row i chose tokens[i] (the target's raw logits)
-    forced: int = 0  # of ``drafted``: tokens a grammar forced (certain, no drafter)
+    forced: int = 0  # tokens a grammar forced ahead of the chosen one (certain: no drafter, not in ``drafted``)
 
 
 @dataclass
@@ -293,7 +293,7 @@ class Decoder:
             self._drafts_kept(proposal, verdict_accepted)
         self._take(tokens)
         self.held = len(self.tokens) - 1
-        return Step(tokens, len(forced) + len(drafts), len(forced) + verdict_accepted, logits, len(forced))
+        return Step(tokens, len(drafts), verdict_accepted, logits, len(forced))
 
     def _snapshot(self) -> None:
         pass

@@ -32,6 +32,7 @@ class GenerationStats:
     cached_tokens: int = 0  # prompt tokens reused from the prompt cache
     drafter: str = "none"  # what proposed the drafts
     depths: dict[int, int] = field(default_factory=dict)  # draft depth -> rounds at that depth
+    forced: int = 0  # tokens a grammar forced (runner.constraint): certain, not counted as drafted
 
     @property
     def acceptance_rate(self) -> float:

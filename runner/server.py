@@ -49,6 +49,7 @@ def stats_to_proto(s: GenerationStats) -> runner_pb2.GenerationStats:
         rounds=s.rounds,
         drafted=s.drafted,
         accepted=s.accepted,
+        forced=s.forced,
         acceptance_rate=s.acceptance_rate,
         tokens_per_round=s.tokens_per_round,
         time_to_first_token_s=s.time_to_first_token,

@@ -116,6 +116,7 @@ class Session:
             step = self._decoder.step(self.budget)
         except ConstraintBroken as error:
             return self._broken(error)
+        self.stats.forced += step.forced
         return self._take(step.tokens, step.drafted, step.accepted, step.logits)
 
     def _broken(self, error: ConstraintBroken) -> Round:

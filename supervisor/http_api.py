@@ -381,6 +381,7 @@ def speculation(stats: runner_pb2.GenerationStats) -> dict:
         "tokens_per_second": round(stats.tokens_per_second, 2),
         "time_to_first_token_s": round(stats.time_to_first_token_s, 4),
         "drafter": stats.drafter,
+        "forced": stats.forced,
     }
 
 

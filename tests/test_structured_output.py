@@ -35,6 +35,7 @@ def test_the_sdks_parse_returns_the_parsed_object(chat_client):
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, City)
     assert City.model_validate_json(choice.message.content) == choice.message.parsed
+    assert answer.model_extra["x_mlxserve"]["forced"] > 0  # the schema's keys, forced, counted apart
 
 
 def test_a_streamed_json_schema_answer_parses_whole(chat_client):
