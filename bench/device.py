@@ -162,9 +162,20 @@ print(json.dumps({"generated": last.stats.generated_tokens, "releases": engine.t
 """
 
 
-def memory() -> None:
+def _fresh_process(script: str, *args: str, env: dict | None = None) -> dict | str:
+    """Run ``script`` in a fresh Python process: the JSON object its last line prints, or (it failed) its
+    last line of errors."""
     from tests.processes import child_environment
 
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=child_environment() | (env or {})
+    )
+    if done.returncode:
+        return str(done.stderr.strip().splitlines()[-1:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def memory() -> None:
     tokens = 600 if QUICK or FOCUS else 3000
     print(f"## memory: one speculative generation of {tokens} tokens (default pair, k = 3), pool cap lifted\n")
     print(
@@ -172,16 +183,10 @@ def memory() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for release in ("on", "off"):
-        done = subprocess.run(
-            [sys.executable, "-c", MEMORY_ONE, release, str(tokens)],
-            capture_output=True,
-            text=True,
-            env=child_environment(),
-        )
-        if done.returncode:
-            print(f"| {release} | failed: {done.stderr.strip().splitlines()[-1:]} |")
+        r = _fresh_process(MEMORY_ONE, release, str(tokens))
+        if isinstance(r, str):
+            print(f"| {release} | failed: {r} |")
             continue
-        r = json.loads(done.stdout.strip().splitlines()[-1])
         mib = {k: f"{v / 2**20:.0f} MiB" if isinstance(v, int) else "-" for k, v in r.items()}
         print(
             f"| {release} | {r['releases']} | {mib['active']} | {mib['pool_max']} | {mib['pool_end']} "
@@ -216,22 +221,15 @@ print(json.dumps(out))
 
 
 def new_shapes() -> None:
-    from tests.processes import child_environment
-
     tokens = 24 if QUICK else 96
     print(f"## new shapes: one prompt decoded twice ({tokens} tokens), median ms per round, default pair\n")
     results = {}
     for rule in ("1", "0"):
-        done = subprocess.run(
-            [sys.executable, "-c", NEW_SHAPES_ONE, str(tokens)],
-            capture_output=True,
-            text=True,
-            env=child_environment() | {"MLXSERVE_PLAIN_ATTENTION": rule},
-        )
-        if done.returncode:
-            print(f"rule {rule}: failed: {done.stderr.strip().splitlines()[-1:]}\n")
+        r = _fresh_process(NEW_SHAPES_ONE, str(tokens), env={"MLXSERVE_PLAIN_ATTENTION": rule})
+        if isinstance(r, str):
+            print(f"rule {rule}: failed: {r}\n")
             continue
-        results[rule] = json.loads(done.stdout.strip().splitlines()[-1])
+        results[rule] = r
     print("| decoder | rule on: first pass | second pass | rule off: first pass | second pass |")
     print("| --- | --- | --- | --- | --- |")
     labels = dict.fromkeys(key.split("|")[0] for r in results.values() for key in r)

@@ -104,9 +104,12 @@ def ours(engine: Engine, prompt: str, tokens: int, chat: bool, **fields) -> Tall
     ):
         pass
     s = last.stats
-    return Tally(
-        s.generated_tokens - 1, s.decode_seconds - (s.time_to_first_token - s.prefill_seconds), s.drafted, s.accepted
-    )
+    return Tally(*after_first_token(s), s.drafted, s.accepted)
+
+
+def after_first_token(s) -> tuple[int, float]:
+    """(tokens, seconds) of a generation's decoding after its first token (prefill and first round excluded)."""
+    return s.generated_tokens - 1, s.decode_seconds - (s.time_to_first_token - s.prefill_seconds)
 
 
 def as_mlx_lm_runs_it(engine: Engine) -> tuple:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 
+from bench.speculation import after_first_token
 from common.defaults import SMOLLM2_DIR
 from common.settings import RunnerSettings
 from runner.engine import Engine
@@ -106,7 +107,7 @@ def _rate(engine: Engine, request: GenerationRequest, forcing: bool = True) -> t
     finally:
         engine.grammars.forcing = True
     s = last.stats
-    return s.generated_tokens - 1, s.decode_seconds - (s.time_to_first_token - s.prefill_seconds), s.forced, s.accepted
+    return *after_first_token(s), s.forced, s.accepted
 
 
 def run() -> None:

@@ -126,7 +126,8 @@ def check_fields(
     for token, value in bias.items():
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= INT32_MAX:
             raise InvalidRequest("logit_bias", f"keys must be token ids, not {token!r}")
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and -100 <= value <= 100):
+        # Compared, not converted: NaN fails the comparison, and an integer too big for a float is refused.
+        if not (isinstance(value, (int, float)) and -100 <= value <= 100):
             raise InvalidRequest("logit_bias", f"token {token}: the bias must lie in [-100, 100]")
 
 

@@ -172,7 +172,6 @@ class Constraint:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.forcing = forcing
-        self.forced_tokens = 0  # tokens the grammar forced so far (stats)
 
     def mask(self) -> np.ndarray:
         """The allowed tokens at the current position: a bitmask, one bit per token (uint8, little-endian)."""
@@ -206,7 +205,6 @@ class Constraint:
             self.consume(token)
             tokens.append(token)
             mask = self.mask()
-        self.forced_tokens += len(tokens)
         return tokens, mask
 
     def consume(self, token: int) -> None:
@@ -223,21 +221,15 @@ class Constraint:
         return self.matcher.is_stopped()
 
 
-_BITS = None
-
-
 def apply_masks(logits: mx.array, masks: list[np.ndarray | None]) -> mx.array:
     """``logits`` (rows, vocab) with each row's disallowed tokens at -inf; a None mask leaves its row as is."""
-    global _BITS
     if all(m is None for m in masks):
         return logits
-    if _BITS is None:
-        _BITS = mx.arange(8, dtype=mx.uint8)
     vocab = logits.shape[-1]
     width = (vocab + 7) // 8
     full = np.full(width, 0xFF, dtype=np.uint8)
     packed = np.stack([full if m is None else _fit(m, width) for m in masks])
-    bits = (mx.array(packed)[:, :, None] >> _BITS) & 1
+    bits = (mx.array(packed)[:, :, None] >> mx.arange(8, dtype=mx.uint8)) & 1
     allowed = bits.reshape(len(masks), -1)[:, :vocab].astype(mx.bool_)
     return mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))
 

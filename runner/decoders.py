@@ -292,7 +292,6 @@ class Decoder:
             self._rewind(fed, 1 + len(forced) + verdict_accepted)
             self._drafts_kept(proposal, verdict_accepted)
         self._take(tokens)
-        self.held = len(self.tokens) - 1
         return Step(tokens, len(drafts), verdict_accepted, logits, len(forced))
 
     def _snapshot(self) -> None:
@@ -371,7 +370,8 @@ class SpeculativeDecoder(Decoder):
         self._last_end = None  # its last solo round ended before the batch: the next one is not timed
 
     def _propose(self, k: int, key) -> Proposal | None:
-        proposal = self.drafter.propose(self.tokens, k, self.params, key) if self.drafter.ready() else None
+        """The drafter's proposal, at most ``k`` tokens (a caller asks only when ``drafter.ready()``)."""
+        proposal = self.drafter.propose(self.tokens, k, self.params, key)
         if proposal is not None and proposal.size > k:
             proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])
         return proposal
@@ -432,9 +432,7 @@ class SpeculativeDecoder(Decoder):
         them; with nothing to verify, a plain round."""
         # A greedy request draws no keys: never evaluated, they would grow a chain of lazy splits every round.
         draft_key, verify_key = (None, None) if self.params.greedy else self._keys(2)
-        proposal = self.drafter.propose(self.tokens, k, self.params, draft_key) if k > 0 else None
-        if proposal is not None and proposal.size > k:
-            proposal = Proposal(proposal.tokens[:k], None if proposal.probs is None else proposal.probs[:k])
+        proposal = self._propose(k, draft_key) if k > 0 else None
         if proposal is None:
             if not head:  # start the pipeline: this round's token, then queue the next one
                 token, logits = self._issue()

@@ -278,7 +278,7 @@ class Engine:
         decoder = self._decoder(prepared, reuse)
         decoder.constraint = prepared.constraint
         decoder.stop_ids = prepared.eos_ids
-        decoder.set_logit_bias(prepared.logit_bias, self.vocab_size)
+        decoder.set_logit_bias(prepared.request.logit_bias, self.vocab_size)
         return decoder
 
     def _decoder(self, prepared: PreparedRequest, reuse: Hit) -> Decoder:

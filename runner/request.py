@@ -73,7 +73,6 @@ class PreparedRequest:
     top_logprobs: int = 0
     cache_prompt: bool = True
     constraint: object = None  # runner.constraint.Constraint: the request's grammar state, or None
-    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -157,5 +156,4 @@ def prepare(
         top_logprobs=request.top_logprobs,
         cache_prompt=request.cache_prompt,
         constraint=constraint,
-        logit_bias=tuple(request.logit_bias),
     )
