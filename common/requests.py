@@ -19,6 +19,7 @@ import math
 from .defaults import MAX_MESSAGE_BYTES, MAX_NUM_DRAFT_TOKENS
 from .errors import InvalidRequest
 from .settings import DRAFTERS
+from .tool_calls import check_history, check_tools
 
 INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 64
@@ -37,6 +38,7 @@ class FinishReason(enum.IntEnum):
     STOP = 1  # end of sequence, end of turn, or a stop string
     LENGTH = 2  # max_tokens or the context length
     CANCELLED = 3  # the client went away or the runner is stopping
+    TOOL_CALLS = 4  # the answer called tools (it stopped, and its calls are complete)
 
 
 NOT_UNICODE = "is not valid Unicode text (it holds a lone surrogate such as \\ud800)"
@@ -75,9 +77,14 @@ def check_fields(
     chat_template_kwargs: str = "",
     grammar: str = "",
     logit_bias=(),
+    tools: str = "",
+    tool_choice: str = "",
+    tool_name: str = "",
+    parallel_tool_calls: bool | None = None,
 ) -> None:
-    """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs;
-    ``chat_template_kwargs``: a JSON object, as text."""
+    """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs, or
+    (role, content, name, tool_call_id, tool_calls) tuples (``common.tool_calls.check_history``);
+    ``chat_template_kwargs``: a JSON object, as text; ``tools``: OpenAI's list of tools, as JSON text."""
     if not prompt and not len(prompt_ids) and not len(messages):
         raise InvalidRequest("prompt", "must not be empty (set prompt, prompt_ids or messages)")
     if len(messages) and (prompt or len(prompt_ids)):
@@ -87,10 +94,11 @@ def check_fields(
     _text("prompt", prompt)
     if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in prompt_ids):
         raise InvalidRequest("prompt_ids", f"token ids must lie in [0, {INT32_MAX}]")
-    for index, (role, content) in enumerate(messages):
+    for index, (role, content, *_) in enumerate(messages):
         if role not in ROLES:
             raise InvalidRequest("messages", f"message {index}: role {role!r} is not one of {', '.join(ROLES)}")
         _text("messages", content)
+    check_history(messages)
     if not 1 <= max_tokens <= INT32_MAX:
         raise InvalidRequest("max_tokens", f"must lie in [1, {INT32_MAX}]")
     if not math.isfinite(temperature) or temperature < 0:
@@ -129,6 +137,12 @@ def check_fields(
         # Compared, not converted: NaN fails the comparison, and an integer too big for a float is refused.
         if not (isinstance(value, (int, float)) and -100 <= value <= 100):
             raise InvalidRequest("logit_bias", f"token {token}: the bias must lie in [-100, 100]")
+    if tools or tool_choice or tool_name:
+        _text("tools", tools)
+        if check_tools(tools, tool_choice, tool_name, parallel_tool_calls).calls and grammar:
+            raise InvalidRequest("grammar", "set one of a grammar (response_format) and tools to call")
+        if tools and not len(messages):
+            raise InvalidRequest("tools", "tools go with messages (a conversation), not a prompt")
 
 
 def template_kwargs(text: str) -> dict:
@@ -159,11 +173,15 @@ def check_message(message) -> None:
 
 def fields_of(message) -> dict:
     """A GenerateRequest message's fields as ``check_fields`` (and the runner's ``GenerationRequest``) take them:
-    unset optional fields as their defaults, repeated ones as tuples, messages as (role, content) pairs."""
+    unset optional fields as their defaults, repeated ones as tuples, messages as (role, content, name,
+    tool_call_id, tool_calls) tuples with tool_calls as (id, name, arguments) triples."""
     return dict(
         prompt=message.prompt,
         prompt_ids=tuple(message.prompt_ids),
-        messages=tuple((m.role, m.content) for m in message.messages),
+        messages=tuple(
+            (m.role, m.content, m.name, m.tool_call_id, tuple((c.id, c.name, c.arguments) for c in m.tool_calls))
+            for m in message.messages
+        ),
         max_tokens=message.max_tokens,
         temperature=message.temperature,
         top_k=message.top_k,
@@ -178,4 +196,8 @@ def fields_of(message) -> dict:
         chat_template_kwargs=message.chat_template_kwargs,
         grammar=message.grammar,
         logit_bias=tuple(sorted(message.logit_bias.items())),
+        tools=message.tools,
+        tool_choice=message.tool_choice,
+        tool_name=message.tool_name,
+        parallel_tool_calls=message.parallel_tool_calls if message.HasField("parallel_tool_calls") else None,
     )

@@ -34,8 +34,10 @@ from .defaults import (
     DTYPES,
     MAX_NUM_DRAFT_TOKENS,
 )
+from .tool_calls import FORMATS as TOOL_FORMATS
 
 DRAFTERS = ("model", "ngram", "none")
+
 CACHE_LIMIT_DEFAULT = "default"  # MLX's own pool cap
 CACHE_LIMIT_UNBOUNDED = "unbounded"  # the memory limit (what Metal and CUDA default to)
 
@@ -215,6 +217,12 @@ class RunnerSettings:
         "seconds in-flight work gets after SIGTERM (the supervisor's drain_grace)",
         config=False,
     )
+    tool_format: str = setting(
+        "",
+        "str",
+        'how the model writes tool calls: "hermes", "llama3", "mistral", "pythonic" or "generic" (tools '
+        "described in a system message, answers held to JSON); default: recognised from the chat template",
+    )
     debug_rpcs: bool = setting(False, "bool", "debug: enable the DebugBlock RPC")
 
     def __post_init__(self):
@@ -252,6 +260,8 @@ class RunnerSettings:
             raise SettingsError("max_batch", "must be at least 1")
         if self.stall_after <= 0:
             raise SettingsError("stall_after", "must be positive")
+        if self.tool_format and self.tool_format not in TOOL_FORMATS:
+            raise SettingsError("tool_format", f"{self.tool_format!r} is not one of {', '.join(TOOL_FORMATS)}")
 
     # -- what the engine reads --------------------------------------------------------------------------
 

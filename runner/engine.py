@@ -29,6 +29,7 @@ from common.defaults import DEFAULT_NUM_DRAFT_TOKENS
 from common.errors import InvalidRequest, TokenizerMismatch
 from common.footprint import ModelFootprint, default_prompt_cache_bytes, resolve_dtype
 from common.settings import CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED, RunnerSettings
+from common.tool_calls import detect
 
 from .batch_memory import CacheCost
 from .constraint import Grammars
@@ -97,6 +98,10 @@ class Engine:
         # Constrained output (runner.constraint): a complete grammar allows every token that ends an answer.
         ends = frozenset(self.tokenizer.eos_token_ids) | end_of_turn_ids(self.tokenizer)
         self.grammars = Grammars(self.tokenizer, self.vocab_size, ends)
+        # How the model writes tool calls: the setting, else the family its chat template writes, else the
+        # generic layout (common.tool_calls).
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_format = settings.tool_format or detect(template if isinstance(template, str) else None) or "generic"
         self.device = device_name()
         self.dtype_reason = dtype_reason or f"dtype = {target.dtype!r}"
         self.cache_limit = apply_cache_limit(settings.cache_limit)
@@ -244,6 +249,7 @@ class Engine:
             default_num_draft_tokens=self.default_num_draft_tokens,
             can_draft=self.speculative or bool(request.drafter and request.drafter != "none"),
             grammars=self.grammars,
+            tool_format=self.tool_format,
         )
 
     def prefill_planner(self) -> PrefillPlanner:

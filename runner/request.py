@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 
 from common.errors import InvalidRequest
 from common.requests import check_fields, template_kwargs
+from common.tool_calls import Tools, check_tools, conversation
+from common.tool_calls import grammar as tool_grammar
 
 from .sampling import SamplingParams
 
@@ -48,7 +50,8 @@ class GenerationRequest:
     num_draft_tokens: int | None = None  # None = the engine's setting; 0 = no drafting
     ignore_eos: bool = False
     request_id: str = ""
-    messages: tuple[tuple[str, str], ...] = ()  # (role, content): laid out by the chat template
+    # (role, content[, name, tool_call_id, tool_calls]): laid out by the chat template (common.tool_calls)
+    messages: tuple[tuple, ...] = ()
     chat_template_kwargs: str = ""  # a JSON object
     logprobs: bool = False
     top_logprobs: int = 0
@@ -56,6 +59,10 @@ class GenerationRequest:
     cache_prompt: bool = True  # reuse and keep KV caches in the prompt cache
     grammar: str = ""  # constrained output (runner.constraint); "" = free text
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    tools: str = ""  # OpenAI's function tools, a JSON list (common.tool_calls)
+    tool_choice: str = ""  # "auto" (""), "none", "required" or "function" (call tool_name)
+    tool_name: str = ""
+    parallel_tool_calls: bool | None = None  # None = True
 
 
 @dataclass(frozen=True)
@@ -73,23 +80,31 @@ class PreparedRequest:
     top_logprobs: int = 0
     cache_prompt: bool = True
     constraint: object = None  # runner.constraint.Constraint: the request's grammar state, or None
+    tool_format: str = ""  # the answer is split into text and calls of this family (common.tool_calls); "" = not
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
 
-def chat_ids(request: GenerationRequest, tokenizer, context_length: int) -> list[int]:
-    """The conversation laid out by the model's chat template, ready for the assistant's turn."""
+def chat_ids(
+    request: GenerationRequest, tokenizer, context_length: int, tools: Tools | None = None, tool_format: str = ""
+) -> list[int]:
+    """The conversation laid out by the model's chat template, ready for the assistant's turn; with tools (or
+    earlier calls) laid out for the model's ``tool_format`` (``common.tool_calls.conversation``)."""
     if not getattr(tokenizer, "has_chat_template", False):
         raise InvalidRequest("messages", "this model has no chat template: send a prompt instead")
-    if sum(len(content) for _, content in request.messages) > context_length * MAX_CHARS_PER_TOKEN:
+    if sum(len(m[1]) for m in request.messages) + len(request.tools) > context_length * MAX_CHARS_PER_TOKEN:
         raise InvalidRequest("messages", f"cannot fit the context of {context_length} tokens")
-    conversation = [{"role": role, "content": content} for role, content in request.messages]
+    kwargs = template_kwargs(request.chat_template_kwargs)
+    if tools is not None and (tools.functions or any(len(m) > 2 and (m[3] or m[4]) for m in request.messages)):
+        messages = conversation(request.messages, tools, tool_format)
+        if tool_format != "generic" and tools.functions:
+            kwargs["tools"] = tools.definitions()
+    else:
+        messages = [{"role": m[0], "content": m[1]} for m in request.messages]
     try:
-        ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, **template_kwargs(request.chat_template_kwargs)
-        )
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
     except Exception as error:  # noqa: BLE001 - a template raises whatever it likes (jinja2, TypeError, ...)
         raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
     return [int(t) for t in ids]
@@ -104,9 +119,11 @@ def end_of_turn_ids(tokenizer) -> frozenset[int]:
     return frozenset(vocab[token] for token in END_OF_TURN if token in template and token in vocab)
 
 
-def prompt_ids_of(request: GenerationRequest, tokenizer, vocab_size: int, context_length: int) -> list[int]:
+def prompt_ids_of(
+    request: GenerationRequest, tokenizer, vocab_size: int, context_length: int, tools=None, tool_format: str = ""
+) -> list[int]:
     if request.messages:
-        return chat_ids(request, tokenizer, context_length)
+        return chat_ids(request, tokenizer, context_length, tools, tool_format)
     if request.prompt_ids:
         ids = [int(t) for t in request.prompt_ids]
         if any(t < 0 or t >= vocab_size for t in ids):
@@ -128,11 +145,13 @@ def prepare(
     default_num_draft_tokens: int,
     can_draft: bool,
     grammars=None,
+    tool_format: str = "generic",
 ) -> PreparedRequest:
     """Validate (``common.requests.check_fields``: the same judge as the supervisor's) and tokenize ``request``
-    once; raises InvalidRequest naming the field."""
+    once; raises InvalidRequest naming the field. ``tool_format``: how this model writes tool calls."""
     check_fields(**{f.name: getattr(request, f.name) for f in fields(request) if f.name in CHECKED})
-    prompt_ids = prompt_ids_of(request, tokenizer, vocab_size, context_length)
+    tools = check_tools(request.tools, request.tool_choice, request.tool_name, request.parallel_tool_calls)
+    prompt_ids = prompt_ids_of(request, tokenizer, vocab_size, context_length, tools, tool_format)
     if len(prompt_ids) >= context_length:
         raise InvalidRequest("prompt", f"{len(prompt_ids)} tokens do not fit the context of {context_length}")
     if not prompt_ids:
@@ -140,6 +159,8 @@ def prepare(
     if any(token >= vocab_size for token, _ in request.logit_bias):
         raise InvalidRequest("logit_bias", f"token ids must lie in [0, {vocab_size})")
     constraint = grammars.constraint(request.grammar) if request.grammar else None
+    if tools.calls:
+        constraint = tool_constraint(grammars, tools, tool_format)
     k = default_num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
     eos_ids = frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids)
     if request.messages and not request.ignore_eos:
@@ -156,4 +177,19 @@ def prepare(
         top_logprobs=request.top_logprobs,
         cache_prompt=request.cache_prompt,
         constraint=constraint,
+        tool_format=tool_format if tools.calls else "",
     )
+
+
+def tool_constraint(grammars, tools: Tools, tool_format: str):
+    """The grammar that holds the answer to calls of the offered tools (``common.tool_calls.grammar``), or
+    None where it decodes freely; a parameters schema the engine cannot compile is refused naming ``tools``."""
+    from .constraint import bounded_integers
+
+    spec = tool_grammar(tools, tool_format, bounded_integers)
+    if not spec:
+        return None
+    try:
+        return grammars.constraint(spec)
+    except InvalidRequest as error:
+        raise InvalidRequest("tools", f"the functions' parameters cannot be enforced: {error.message}") from None

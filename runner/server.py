@@ -23,8 +23,9 @@ from common import __version__
 from common.defaults import CHANNEL_OPTIONS, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_STALL_AFTER
 from common.errors import NotReady
 from common.protocol import runner_pb2, runner_pb2_grpc
-from common.requests import fields_of
+from common.requests import FinishReason, fields_of
 from common.status import ServiceError, StatusInterceptor
+from common.tool_calls import ToolCallStream
 
 from . import platform
 from .engine import Engine
@@ -68,8 +69,18 @@ def stats_to_proto(s: GenerationStats) -> runner_pb2.GenerationStats:
     )
 
 
-def chunk_to_proto(r: Round) -> runner_pb2.GenerateChunk:
-    chunk = runner_pb2.GenerateChunk(text=r.text, token_ids=r.token_ids, drafted=r.drafted, accepted=r.accepted)
+def chunk_to_proto(r: Round, tools: ToolCallStream | None = None) -> runner_pb2.GenerateChunk:
+    """A round as its chunk; with ``tools`` (a request whose answer may call tools), its text split into text
+    and tool-call deltas, and a stop after complete calls is TOOL_CALLS."""
+    text, deltas = r.text, []
+    if tools is not None:
+        text, deltas = tools.feed(r.text)
+        if r.finish_reason is not None:
+            tail, more = tools.finish()
+            text, deltas = text + tail, deltas + more
+    chunk = runner_pb2.GenerateChunk(text=text, token_ids=r.token_ids, drafted=r.drafted, accepted=r.accepted)
+    for delta in deltas:
+        chunk.tool_calls.add(index=delta.index, id=delta.id, name=delta.name, arguments=delta.arguments)
     for entry in r.logprobs:
         chunk.logprobs.add(
             token_id=entry.token,
@@ -79,6 +90,8 @@ def chunk_to_proto(r: Round) -> runner_pb2.GenerateChunk:
         )
     if r.finish_reason is not None:
         chunk.finish_reason = r.finish_reason
+        if r.finish_reason == FinishReason.STOP and tools is not None and tools.calls and tools.complete:
+            chunk.finish_reason = FinishReason.TOOL_CALLS
     if r.stats is not None:
         chunk.stats.CopyFrom(stats_to_proto(r.stats))
     return chunk
@@ -142,9 +155,10 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         prepared = self.engine.prepare(request_from_proto(message))  # checked and tokenized once, before it queues
         job = worker.submit(prepared)
         context.add_callback(job.cancel)  # client gone or deadline passed
+        tools = ToolCallStream(prepared.tool_format) if prepared.tool_format else None
         try:
             for round_ in job.results():
-                yield chunk_to_proto(round_)
+                yield chunk_to_proto(round_, tools)
         finally:
             job.cancel()
 
@@ -158,6 +172,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             backend=platform.backend(),
             device_detail=platform.describe(),
             device_memory=platform.device_memory(),
+            tool_format=engine.tool_format,
             num_draft_tokens=engine.default_num_draft_tokens,
             release_interval=engine.settings.release_interval,
             release_enabled=engine.settings.release_enabled,

@@ -30,6 +30,7 @@
     max_batch = 16                    # requests decoded together (1 = one at a time)
     max_queue = 512                   # requests that may wait for a place in the batch; the next is refused
     stall_after = "30s"               # no progress of the MLX thread this long = hung
+    tool_format = "hermes"            # how it writes tool calls; default: recognised from its chat template
     prompt_cache = "1GiB"             # KV caches kept for prefix reuse; 0 = off; default: see supervisor/memory.py
     batch_memory = "2GiB"             # batched requests' caches, projected to their ends; default: derived
 

@@ -39,6 +39,12 @@ PASSED_THROUGH = {
 }
 
 
+def field_named(details: str) -> str | None:
+    """The request field a runner's INVALID_ARGUMENT names (``common.errors.InvalidRequest``: "field: why")."""
+    field = details.split(":", 1)[0]
+    return field if field in runner_pb2.GenerateRequest.DESCRIPTOR.fields_by_name else None
+
+
 class Generation:
     def __init__(self, supervisor, request, timeout: float | None):
         """``request`` is a supervisor GenerateRequest; ``timeout`` None waits as long as a model takes to start."""
@@ -149,7 +155,8 @@ class Generation:
                 f"model {self.model}: supervisor shutting down; the generation was cut off after {self.tokens} tokens",
             ), False
         if runner.failure_for(call) is None and code in PASSED_THROUGH:
-            return ServiceError(code, error.details() or code.name), False
+            details = error.details() or code.name
+            return ServiceError(code, details, field_named(details) if code == Code.INVALID_ARGUMENT else None), False
         if self._cancelled.is_set():
             return ServiceError(Code.CANCELLED, "client went away"), False
         # The runner went away under the request: say which model and why.

@@ -10,9 +10,13 @@ Generate (``Supervisor.generate``), and every error the same mapping to a
 status (``common.status``), here as an HTTP status with OpenAI's error shape:
 ``{"error": {"message", "type", "param", "code"}}``. Unknown request fields are
 ignored, except OpenAI's that ask for something this server does not do yet
-(``tools``, the penalties, ...: ``NOT_HONOURED``), which are a
+(the penalties, ``functions``, ...: ``NOT_HONOURED``), which are a
 400 naming the field. ``response_format`` and vLLM's ``guided_*`` become the
-runner's ``grammar`` (``grammar_of``; runner.constraint). Malformed or
+runner's ``grammar`` (``grammar_of``; runner.constraint). Chat's ``tools``,
+``tool_choice`` and ``parallel_tool_calls``, and the history's ``tool_calls`` and
+``tool_call_id``, go to the runner as they are (common.tool_calls lays them out,
+constrains and parses); its tool-call deltas become ``message.tool_calls`` or
+streamed ``delta.tool_calls``, as OpenAI's. Malformed or
 wrong-typed fields are a 400 naming the field. The schemas check only types: whether a value is in range is decided by
 ``common.requests.check_fields``, the same judge and wording as the gRPC API's
 and the runner's, called before the message is built (a value no message field
@@ -52,7 +56,12 @@ from .protocol import supervisor_pb2
 log = logging.getLogger("supervisor")
 
 MAX_TOKENS_UNSET = 2**31 - 1  # the runner caps it at the room left in the context
-FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
+FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "stop",
+    FinishReason.TOOL_CALLS: "tool_calls",
+}
 Number = StrictInt | StrictFloat
 
 
@@ -90,9 +99,10 @@ class Schema(BaseModel):
         return data
 
 
-# OpenAI fields that change what the model must produce, which this server does not honour yet: a request
-# that uses one is refused (400 naming it), never answered as if it were absent. A value that asks for
-# nothing (an empty list, a zero penalty, "text" output, tool_choice "none") is accepted.
+# OpenAI fields that change what the model must produce, which this server does not honour yet (or not on this
+# endpoint: tools on /v1/completions): a request that uses one is refused (400 naming it), never answered as
+# if it were absent. A value that asks for nothing (an empty list, a zero penalty, "text" output, tool_choice
+# "none") is accepted.
 NOT_HONOURED = {
     "tools": lambda v: bool(v),
     "tool_choice": lambda v: v not in (None, "none"),
@@ -106,13 +116,10 @@ NOT_HONOURED = {
     "audio": lambda v: v is not None,
     "modalities": lambda v: v not in (None, ["text"]),
 }
-# The same for a message of the history: an assistant's earlier tool calls.
-MESSAGE_NOT_HONOURED = {"tool_calls": lambda v: bool(v)}
 
 
 def refuse_not_honoured(extra: dict | None, table: dict = NOT_HONOURED, where: str = "") -> None:
-    """400 for the first field of ``table`` that ``extra`` (unknown fields of a request, or of the message
-    ``where`` names) uses."""
+    """400 for the first field of ``table`` that ``extra`` (a request's unknown fields) uses."""
     for key, value in (extra or {}).items():
         uses = table.get(key)
         if uses is not None and uses(value):
@@ -129,12 +136,31 @@ class ContentPart(Schema):
     text: StrictStr | None = None
 
 
+class FunctionCall(Schema):
+    name: StrictStr
+    arguments: StrictStr  # a JSON object, as text (checked by common.tool_calls.check_history)
+
+
+class MessageToolCall(Schema):
+    id: StrictStr = ""
+    type: StrictStr = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Schema):
-    model_config = ConfigDict(extra="allow", strict=True)  # to see tool_calls, refused for now
     role: StrictStr  # common.requests.ROLES, and "developer" (a system message)
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+
+    def calls(self) -> tuple:
+        for call in self.tool_calls or ():
+            if call.type != "function":
+                raise ServiceError(
+                    Code.INVALID_ARGUMENT, f"messages: tool calls of type {call.type!r} are not supported", "messages"
+                )
+        return tuple((c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ())
 
     def text(self) -> str:
         if self.content is None:
@@ -293,7 +319,7 @@ class Sampling(Schema):
 
     def build(self, fields: dict, messages=()) -> supervisor_pb2.GenerateRequest:
         """The message, once ``check_fields`` has found every field in range (so each fits its message field)."""
-        check_fields(**fields, messages=[(role, content) for role, content, _ in messages])
+        check_fields(**fields, messages=messages)
         proto = supervisor_pb2.GenerateRequest(
             model=self.model, ignore_eos=self.ignore_eos, request_id=f"http-{secrets.token_hex(6)}"
         )
@@ -306,8 +332,10 @@ class Sampling(Schema):
                 getattr(proto, key).update(value)
             else:
                 setattr(proto, key, value)
-        for role, content, name in messages:
-            proto.messages.add(role=role, content=content, name=name)
+        for role, content, name, call_id, calls in messages:
+            message = proto.messages.add(role=role, content=content, name=name, tool_call_id=call_id)
+            for call in calls:
+                message.tool_calls.add(id=call[0], name=call[1], arguments=call[2])
         return proto
 
 
@@ -317,6 +345,29 @@ class ChatCompletionRequest(Sampling):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calls (common.tool_calls): checked there, as for the gRPC API
+    tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    def tool_fields(self) -> dict:
+        """tools, tool_choice and parallel_tool_calls as the message takes them."""
+        choice, name = self.tool_choice, ""
+        wrong = 'tool_choice: must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise ServiceError(Code.INVALID_ARGUMENT, wrong, "tool_choice")
+            choice = "function"
+        elif choice == "function":  # the message's own word for a named function, not OpenAI's
+            raise ServiceError(Code.INVALID_ARGUMENT, wrong, "tool_choice")
+        return {
+            "tools": json.dumps(self.tools, ensure_ascii=False) if self.tools else "",
+            "tool_choice": choice or "",
+            "tool_name": name,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
 
     def to_proto(self) -> supervisor_pb2.GenerateRequest:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -325,10 +376,12 @@ class ChatCompletionRequest(Sampling):
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
             chat_template_kwargs=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "",
+            **self.tool_fields(),
         )
-        for index, m in enumerate(self.messages):
-            refuse_not_honoured(m.model_extra, MESSAGE_NOT_HONOURED, f"messages[{index}].")
-        messages = [("system" if m.role == "developer" else m.role, m.text(), m.name or "") for m in self.messages]
+        messages = [
+            ("system" if m.role == "developer" else m.role, m.text(), m.name or "", m.tool_call_id or "", m.calls())
+            for m in self.messages
+        ]
         return self.build(fields, messages)
 
 
@@ -408,6 +461,26 @@ def completion_logprobs(entries, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def tool_call_delta(delta) -> dict:
+    """A runner ToolCallDelta as OpenAI streams it: the first piece of a call has its id, type and name."""
+    piece: dict = {"index": delta.index, "function": {"arguments": delta.arguments}}
+    if delta.id:
+        piece = {"index": delta.index, "id": delta.id, "type": "function"}
+        piece["function"] = {"name": delta.name, "arguments": delta.arguments}
+    return piece
+
+
+def tool_calls(deltas) -> list[dict]:
+    """The answer's calls, put together from their deltas."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        if delta.id:
+            call["id"], call["function"]["name"] = delta.id, delta.name
+        call["function"]["arguments"] += delta.arguments
+    return [calls[index] for index in sorted(calls)]
+
+
 class Answer:
     """Builds the OpenAI objects of one answer (chat or text completion) from the runner's chunks."""
 
@@ -428,7 +501,10 @@ class Answer:
         entries = [e for c in chunks for e in c.logprobs]
         choice: dict = {"index": 0, "finish_reason": FINISH_REASONS.get(last.finish_reason, "stop")}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            calls = tool_calls([d for c in chunks for d in c.tool_calls])
+            choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                choice["message"]["tool_calls"] = calls
             choice["logprobs"] = {"content": chat_logprobs(entries)} if self.logprobs else None
             body = self._base("chat.completion")
         else:
@@ -453,12 +529,15 @@ class Answer:
 
     def event(self, chunk) -> dict | None:
         finish = FINISH_REASONS.get(chunk.finish_reason) if chunk.finish_reason else None
-        if not chunk.text and finish is None and not chunk.logprobs:
+        if not chunk.text and finish is None and not chunk.logprobs and not chunk.tool_calls:
             return None
         if self.chat:
+            delta = {"content": chunk.text} if chunk.text else {}
+            if chunk.tool_calls:
+                delta["tool_calls"] = [tool_call_delta(d) for d in chunk.tool_calls]
             choice = {
                 "index": 0,
-                "delta": {"content": chunk.text} if chunk.text else {},
+                "delta": delta,
                 "logprobs": {"content": chat_logprobs(chunk.logprobs)} if self.logprobs else None,
                 "finish_reason": finish,
             }

@@ -30,6 +30,7 @@ EVERY_SETTING_CHANGED = RunnerSettings(
     max_queue=7,
     max_batch=3,
     stall_after=12.5,
+    tool_format="pythonic",
     grace=3.0,
     debug_rpcs=True,
 )

@@ -1,14 +1,17 @@
-"""common.tool_calls: each family's way of writing a call, parsed back; the family recognised from templates."""
+"""common.tool_calls, unit by unit: each family's way of writing a call, parsed back; the family recognised
+from templates; a request's tools checked; the conversation laid out for a family; the grammar that holds an
+answer to calls (compiled by llguidance over SmolLM2's real vocabulary); the answer split into text and call
+deltas as it streams, however its text is cut."""
 
 from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 
 from common.defaults import SMOLLM2_DIR
-from common.tool_calls import PARSERS, ToolCallError, detect, generic_schema
+from common.errors import InvalidRequest
+from common.tool_calls import PARSERS, ToolCallError, ToolCallStream, check_tools, conversation, detect, grammar
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 WEATHER_JSON = json.dumps(WEATHER)
@@ -63,33 +66,11 @@ def test_pythonic_calls_read_as_literals_only():
     assert PARSERS["pythonic"]("[1, 2] is a list").calls == []
 
 
-def test_generic_layout_calls_or_a_response_and_its_schema():
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-                    "required": ["city"],
-                },
-            },
-        }
-    ]
+def test_generic_answers_parse_back():
     call = {"tool_calls": [{"name": "get_weather", "arguments": WEATHER}]}
-    answer = {"response": "It is sunny."}
-    auto, required = generic_schema(tools, required=False), generic_schema(tools, required=True)
-    jsonschema.validate(call, auto)
-    jsonschema.validate(answer, auto)
-    jsonschema.validate(call, required)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(answer, required)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"tool_calls": [{"name": "launch", "arguments": {}}]}, auto)
     parsed = PARSERS["generic"](json.dumps(call))
     assert parsed.calls[0].name == "get_weather" and args(parsed.calls[0]) == WEATHER
-    assert PARSERS["generic"](json.dumps(answer)).content == "It is sunny."
+    assert PARSERS["generic"](json.dumps({"response": "It is sunny."})).content == "It is sunny."
 
 
 def test_families_are_recognised_from_templates():
@@ -99,3 +80,204 @@ def test_families_are_recognised_from_templates():
     assert detect("{% if tools %}[TOOL_CALLS]{% endif %}") == "mistral"
     assert detect("{% if tools %}<|python_tag|>{% endif %}") == "llama3"
     assert detect(None) is None
+
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"],
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMETERS},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def tools(choice: str = "auto", name: str = "", parallel=None):
+    return check_tools(json.dumps(TOOLS), choice, name, parallel)
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        (("[1]",), "tools[0]: only"),
+        (('[{"type": "function", "function": {"name": "has space"}}]',), "tools[0].function.name"),
+        (('[{"type": "function", "function": {"name": "f", "parameters": []}}]',), "parameters: must be a JSON schema"),
+        (('[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]',), "an object"),
+        ((json.dumps(TOOLS + TOOLS[:1]),), "same name"),
+        ((json.dumps(TOOLS), "sometimes"), "tool_choice: 'sometimes'"),
+        (("", "required"), "needs tools"),
+        ((json.dumps(TOOLS), "function", "launch"), "'launch', which is not one of the tools"),
+        ((json.dumps(TOOLS), "auto", "get_time"), 'goes with tool_choice "function"'),
+    ],
+)
+def test_bad_tools_are_refused_naming_where(fields, words):
+    with pytest.raises(InvalidRequest) as caught:
+        check_tools(*fields)
+    assert words in str(caught.value)
+
+
+def test_the_offered_functions_follow_the_choice():
+    assert [f["name"] for f in tools().offered] == ["get_weather", "get_time"]
+    assert [f["name"] for f in tools("function", "get_time").offered] == ["get_time"]
+    assert not tools("none").calls and tools().parallel and not tools(parallel=False).parallel
+
+
+HISTORY = (
+    ("user", "Weather in Paris?"),
+    ("assistant", "", "", "", (("call_1", "get_weather", '{"city": "Paris"}'),)),
+    ("tool", '{"sky": "clear"}', "get_weather", "call_1", ()),
+)
+
+
+def test_a_native_family_gets_the_history_as_hugging_face_templates_take_it():
+    laid_out = conversation(HISTORY, tools(), "hermes")
+    assert laid_out[1]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    ]
+    assert laid_out[2] == {
+        "role": "tool",
+        "content": '{"sky": "clear"}',
+        "tool_call_id": "call_1",
+        "name": "get_weather",
+    }
+
+
+def test_the_generic_layout_describes_the_tools_and_writes_calls_as_the_model_does():
+    laid_out = conversation((("system", "Be brief."), *HISTORY), tools(), "generic")
+    assert laid_out[0]["role"] == "system" and laid_out[0]["content"].startswith("Be brief.\n\nYou can call")
+    assert '"get_time"' in laid_out[0]["content"]
+    assert json.loads(laid_out[2]["content"]) == {
+        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    }
+    assert laid_out[3] == {"role": "user", "content": 'The result of get_weather (call call_1): {"sky": "clear"}'}
+    # tool_choice "none": no tools described, the earlier call in words (the model must not imitate JSON)
+    plain = conversation(HISTORY, tools("none"), "generic")
+    assert plain[0]["role"] == "user" and plain[1]["content"].startswith("I call get_weather with")
+
+
+@pytest.fixture(scope="module")
+def index():
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(str(SMOLLM2_DIR)), eos_token=[2])
+
+
+def accepts(index, spec: str, text: str) -> bool:
+    import llguidance
+    from tokenizers import Tokenizer
+
+    lark = json.loads(spec)["lark"]
+    matcher = llguidance.LLMatcher(index, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+    ids = Tokenizer.from_file(str(SMOLLM2_DIR / "tokenizer.json")).encode(text).ids
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+CALL = '{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}'
+
+
+@pytest.mark.parametrize(
+    "family, choice, good, bad",
+    [
+        ("generic", "auto", ['{"response":"Hi."}', '{"tool_calls":[' + CALL + "]}"], ['{"response": "Hi."}', "Hi."]),
+        ("generic", "required", ['{"tool_calls":[' + CALL + "," + CALL + "]}"], ['{"response":"Hi."}']),
+        (
+            "generic",
+            "function",
+            ['{"tool_calls":[{"name":"get_time","arguments":{}}]}'],
+            ['{"tool_calls":[' + CALL + "]}"],
+        ),
+        ("hermes", "required", ["<tool_call>\n" + CALL + "\n</tool_call>"], [CALL]),
+        ("mistral", "required", ["[TOOL_CALLS][" + CALL + "]"], [CALL]),
+        ("llama3", "required", ['{"name":"get_time","parameters":{}}'], ['{"name":"get_time","arguments":{}}']),
+    ],
+)
+def test_the_grammar_holds_the_answer_to_calls_of_the_offered_functions(index, family, choice, good, bad):
+    spec = grammar(tools(choice, "get_time" if choice == "function" else ""), family)
+    for text in good:
+        assert accepts(index, spec, text), text
+    for text in bad + [  # an argument the function does not declare, a value outside its enum, a missing one
+        '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris","launch":true}}]}',
+        '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris","unit":"kelvin"}}]}',
+        '{"tool_calls":[{"name":"get_weather","arguments":{"unit":"celsius"}}]}',
+    ]:
+        assert not accepts(index, spec, text), text
+
+
+def test_what_the_grammar_leaves_free_and_what_it_refuses():
+    assert grammar(tools("auto"), "hermes") == ""  # native auto: free text, calls parsed
+    assert grammar(tools("none"), "generic") == ""
+    one = json.loads(grammar(tools("required", parallel=False), "generic"))["lark"]
+    assert "call (" not in one.splitlines()[0]
+    with pytest.raises(InvalidRequest, match="pythonic"):
+        grammar(tools("required"), "pythonic")
+
+
+def stream(family: str, text: str, cuts) -> tuple[str, list, ToolCallStream]:
+    """Feed ``text`` cut at ``cuts``: the content and the calls put together from the deltas."""
+    split = ToolCallStream(family)
+    pieces, start = [], 0
+    for cut in [*cuts, len(text)]:
+        pieces.append(split.feed(text[start:cut]))
+        start = cut
+    pieces.append(split.finish())
+    content = "".join(c for c, _ in pieces)
+    calls: dict[int, list] = {}
+    for _, deltas in pieces:
+        for d in deltas:
+            if d.id:
+                assert d.index not in calls and d.name  # the first piece of a call has its id and name
+                calls[d.index] = [d.name, ""]
+            calls[d.index][1] += d.arguments
+    return content, [calls[i] for i in sorted(calls)], split
+
+
+GENERIC_CALLS = '{"tool_calls":[' + CALL + ',{"name":"get_time","arguments":{"note":"a \\"}\\" brace"}}]}'
+ANSWERS = [
+    (
+        "generic",
+        GENERIC_CALLS,
+        "",
+        [["get_weather", '{"city":"Paris","unit":"celsius"}'], ["get_time", '{"note":"a \\"}\\" brace"}']],
+    ),
+    ("generic", '{"response":"Caf\\u00e9 \\ud83d\\ude00 \\"ok\\"\\n"}', 'Café 😀 "ok"\n', []),
+    (
+        "hermes",
+        "Let me look.\n<tool_call>\n" + CALL + "\n</tool_call>",
+        "Let me look.\n",
+        [["get_weather", json.dumps(WEATHER, separators=(",", ":"))]],
+    ),
+    ("hermes", "A <tool_ca and no call.", "A <tool_ca and no call.", []),
+    ("mistral", "[TOOL_CALLS][" + CALL + "]", "", [["get_weather", json.dumps(WEATHER)]]),
+    ("llama3", '{"name": "get_time", "parameters": {}}', "", [["get_time", "{}"]]),
+    ("llama3", "{Not a call} at all.", "{Not a call} at all.", []),
+    ("pythonic", '[get_weather(city="Paris", unit="celsius")]', "", [["get_weather", json.dumps(WEATHER)]]),
+    ("pythonic", "Plain text.", "Plain text.", []),
+]
+
+
+@pytest.mark.parametrize("family, text, content, calls", ANSWERS)
+def test_an_answer_splits_into_text_and_calls_however_it_is_cut(family, text, content, calls):
+    whole = stream(family, text, [])
+    assert whole[0] == content
+    assert [[n, json.loads(a)] for n, a in whole[1]] == [[n, json.loads(a)] for n, a in calls]
+    for step in (1, 2, 3, 7):  # one character at a time, and other cuts: the same content and calls
+        cut = stream(family, text, range(step, len(text), step))
+        assert cut[0] == whole[0] and cut[1] == whole[1], step
+    assert whole[2].complete
+
+
+def test_generic_call_arguments_stream_as_they_are_decoded():
+    split = ToolCallStream("generic")
+    content, deltas = split.feed('{"tool_calls":[{"name":"get_weather","arguments":{"ci')
+    assert content == "" and [(d.index, d.name, d.arguments) for d in deltas] == [
+        (0, "get_weather", ""),
+        (0, "", '{"ci'),
+    ]
+    assert not split.complete
+    content, deltas = split.feed('ty":"Paris"}}]}')
+    assert [d.arguments for d in deltas] == ['ty":"Paris"}'] and split.complete and split.calls[0].name == "get_weather"
