@@ -26,8 +26,10 @@ The families, each one parser (``PARSERS``) and, where it can be enforced, one g
   offered functions (one call of the named one), their arguments valid against each function's
   ``parameters`` (no undeclared argument unless the schema says ``additionalProperties``); at most
   ``MAX_CALLS`` calls, one unless ``parallel_tool_calls``;
-- ``auto``: the generic layout is held to a call or a response; a native family decodes freely and its
-  calls are parsed from the text (a malformed call stays text, as mlx-lm's and Ollama's parsers leave it);
+- ``auto``: the generic layout is held to a call or a response; hermes and mistral decode free text up
+  to their marker and calls after it (a lazy grammar, as llama.cpp's); llama3 and pythonic decode freely
+  and their calls are parsed from the text (a malformed call stays text, as mlx-lm's and Ollama's
+  parsers leave it);
 - ``none``: no calls are parsed; the generic layout leaves the tools out of the prompt.
 """
 
@@ -357,6 +359,8 @@ def conversation(messages, tools: Tools, family: str) -> list[dict]:
 # How the JSON inside a call is written: no whitespace between tokens (no runaway, fixed separators are forced
 # tokens), as runner.constraint compiles JSON.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+# Families whose calls begin with a marker: with tool_choice auto, text runs free until the marker.
+LAZY = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
 
 
 def _literal(text: str) -> str:
@@ -365,15 +369,18 @@ def _literal(text: str) -> str:
 
 def grammar(tools: Tools, family: str, bound=lambda schema: schema) -> str:
     """The request's ``grammar`` (runner.constraint's JSON spec, a Lark grammar) that holds the answer to the
-    family's calls of the offered functions, or "" where the answer decodes freely (``auto`` on a native
-    family, ``none``). ``bound(schema)`` adjusts each function's parameters (runner.constraint's integer
-    bounds). Raises InvalidRequest where a call cannot be enforced (the pythonic family)."""
-    if not tools.calls or (tools.choice == "auto" and family != "generic"):
+    family's calls of the offered functions, or "" where the answer decodes freely (``none``; ``auto`` for
+    llama3 and pythonic, whose calls have no marker to wait for). ``auto`` for hermes and mistral is lazy, as
+    llama.cpp's: free text that never holds the family's marker, or such text, the marker and calls.
+    ``bound(schema)`` adjusts each function's parameters (runner.constraint's integer bounds). Raises
+    InvalidRequest where a call cannot be enforced (the pythonic family)."""
+    lazy = tools.choice == "auto" and family in LAZY
+    if not tools.calls or (tools.choice == "auto" and family != "generic" and not lazy):
         return ""
     if family == "pythonic":
         raise InvalidRequest("tool_choice", f"{tools.choice!r} cannot be enforced for pythonic calls; use auto")
     key = "parameters" if family == "llama3" else "arguments"
-    rules, alternatives = [], []
+    rules, bodies = [], []
     for index, function in enumerate(tools.offered):
         schema = dict(bound(function["parameters"]))
         if "properties" in schema and "additionalProperties" not in schema:
@@ -381,24 +388,35 @@ def grammar(tools: Tools, family: str, bound=lambda schema: schema) -> str:
         schema["x-guidance"] = JSON_LAYOUT
         head = _literal(f'{{"name":"{function["name"]}","{key}":')
         rules.append(f"args{index}: %json {json.dumps(schema)}")
-        alternatives.append(f'{head} args{index} "}}"')
-    rules.append("call: " + " | ".join(alternatives))
-    separator = {"generic": '","', "hermes": '"\\n"', "mistral": '","', "llama3": '";"'}[family]
+        bodies.append(f'{head} args{index} "}}"')
+    rules.append("body: " + " | ".join(bodies))
     # A named function is called once (as OpenAI answers it); otherwise as many calls as parallel allows.
     several = tools.parallel and tools.choice != "function"
-    calls = f"call ({separator} call){{0,{MAX_CALLS - 1}}}" if several else "call"
+
+    def calls(first: str, separator: str, last: str = "") -> str:
+        """first body last, then (separator body last) up to MAX_CALLS in all when several calls may come."""
+        more = f" ({separator} body {last}){{0,{MAX_CALLS - 1}}}" if several else ""
+        return f"{first} body {last}{more}"
+
+    newline = _literal("\n")
     if family == "generic":
-        start = f'"{{\\"tool_calls\\":[" {calls} "]}}"'
+        start = calls(_literal('{"tool_calls":['), '","') + " " + _literal("]}")
         if tools.choice == "auto":
             string = json.dumps({"type": "string", "x-guidance": JSON_LAYOUT})
-            start += f' | "{{\\"response\\":" %json {string} "}}"'
+            start += " | " + _literal('{"response":') + f" %json {string} " + _literal("}")
     elif family == "hermes":
-        rules[-1] = "call: " + " | ".join(f'"<tool_call>\\n" {a} "\\n</tool_call>"' for a in alternatives)
-        start = calls
+        opening, closing = _literal("<tool_call>\n"), _literal("\n</tool_call>")
+        start = calls("HEAD" if lazy else opening, f"{newline} {opening}", closing)
     elif family == "mistral":
-        start = f'"[TOOL_CALLS][" {calls} "]"'
+        start = calls("HEAD" if lazy else _literal("[TOOL_CALLS]["), '","') + ' "]"'
     else:
-        start = calls
+        start = calls("", '";"')
+    if lazy:
+        marker = LAZY[family]
+        free = f"/(?s:.*)/ & ~/(?s:.*){re.escape(marker)}(?s:.*)/"
+        start = f"TEXT | {start}"
+        rules += [f"TEXT: /(?s:.+)/ & ~/(?s:.*){re.escape(marker)}(?s:.*)/", f"FREE: {free}"]
+        rules.append(f"HEAD: FREE {_literal(marker + chr(10) if family == 'hermes' else marker + '[')}")
     return json.dumps({"lark": "\n".join([f"start: {start}", *rules])})
 
 
@@ -546,9 +564,14 @@ class ToolCallStream:
             start = text.find(marker, self._sent)
             if start < 0:  # send all but a tail that may grow into the marker
                 end = len(text) if final else _safe_end(text, self._sent, marker)
-                content, self._sent = text[self._sent : end], end
-                return content, []
+                content = text[self._sent : end]
+                if self.calls and not content.strip() and not final:
+                    return "", []  # whitespace between or after calls: held, dropped unless text follows
+                self._sent = end
+                return content if content.strip() or not self.calls else "", []
             content, self._sent = text[self._sent : start], start
+            if self.calls and not content.strip():
+                content = ""  # whitespace between calls is not text
             if self.family == "hermes":
                 return self._hermes_blocks(content, final)
             if not final:
@@ -580,7 +603,7 @@ class ToolCallStream:
             if after < 0:
                 break
             gap = self._text[self._sent : after]
-            content += gap if not gap.strip() or not self.calls else ""
+            content += gap if gap.strip() else ""  # whitespace between calls is not text
             self._sent = after
         if final:
             rest = self._text[self._sent :]

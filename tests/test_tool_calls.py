@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from common.defaults import SMOLLM2_DIR
@@ -194,25 +195,42 @@ CALL = '{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}'
         ("hermes", "required", ["<tool_call>\n" + CALL + "\n</tool_call>"], [CALL]),
         ("mistral", "required", ["[TOOL_CALLS][" + CALL + "]"], [CALL]),
         ("llama3", "required", ['{"name":"get_time","parameters":{}}'], ['{"name":"get_time","arguments":{}}']),
+        # auto, lazily: free text without the marker, or text, the marker and calls held to the schemas
+        (
+            "hermes",
+            "auto",
+            [
+                "It is sunny.",
+                "<tool_call>\n" + CALL + "\n</tool_call>",
+                "Let me look.\n<tool_call>\n" + CALL + "\n</tool_call>",
+            ],
+            ["Let me look. <tool_call> it is sunny", "<tool_call>\n" + CALL],
+        ),
+        ("mistral", "auto", ["It is sunny.", "Sure. [TOOL_CALLS][" + CALL + "]"], ["[TOOL_CALLS] sunny"]),
     ],
 )
 def test_the_grammar_holds_the_answer_to_calls_of_the_offered_functions(index, family, choice, good, bad):
     spec = grammar(tools(choice, "get_time" if choice == "function" else ""), family)
     for text in good:
         assert accepts(index, spec, text), text
+    wrap = {
+        "generic": '{{"tool_calls":[{}]}}',
+        "hermes": "<tool_call>\n{}\n</tool_call>",
+        "mistral": "[TOOL_CALLS][{}]",
+    }
     for text in bad + [  # an argument the function does not declare, a value outside its enum, a missing one
-        '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris","launch":true}}]}',
-        '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris","unit":"kelvin"}}]}',
-        '{"tool_calls":[{"name":"get_weather","arguments":{"unit":"celsius"}}]}',
+        wrap.get(family, "{}").format('{"name":"get_weather","arguments":{"city":"Paris","launch":true}}'),
+        wrap.get(family, "{}").format('{"name":"get_weather","arguments":{"city":"Paris","unit":"kelvin"}}'),
+        wrap.get(family, "{}").format('{"name":"get_weather","arguments":{"unit":"celsius"}}'),
     ]:
         assert not accepts(index, spec, text), text
 
 
 def test_what_the_grammar_leaves_free_and_what_it_refuses():
-    assert grammar(tools("auto"), "hermes") == ""  # native auto: free text, calls parsed
+    assert grammar(tools("auto"), "llama3") == ""  # no marker to wait for: free text, calls parsed
     assert grammar(tools("none"), "generic") == ""
     one = json.loads(grammar(tools("required", parallel=False), "generic"))["lark"]
-    assert "call (" not in one.splitlines()[0]
+    assert "{0," not in one.splitlines()[0]
     with pytest.raises(InvalidRequest, match="pythonic"):
         grammar(tools("required"), "pythonic")
 
@@ -252,6 +270,12 @@ ANSWERS = [
         [["get_weather", json.dumps(WEATHER, separators=(",", ":"))]],
     ),
     ("hermes", "A <tool_ca and no call.", "A <tool_ca and no call.", []),
+    (
+        "hermes",
+        "<tool_call>\n" + CALL + "\n</tool_call>\n<tool_call>\n" + CALL + "\n</tool_call>\n",
+        "",
+        [["get_weather", json.dumps(WEATHER)]] * 2,
+    ),
     ("mistral", "[TOOL_CALLS][" + CALL + "]", "", [["get_weather", json.dumps(WEATHER)]]),
     ("llama3", '{"name": "get_time", "parameters": {}}', "", [["get_time", "{}"]]),
     ("llama3", "{Not a call} at all.", "{Not a call} at all.", []),
@@ -281,3 +305,61 @@ def test_generic_call_arguments_stream_as_they_are_decoded():
     assert not split.complete
     content, deltas = split.feed('ty":"Paris"}}]}')
     assert [d.arguments for d in deltas] == ['ty":"Paris"}'] and split.complete and split.calls[0].name == "get_weather"
+
+
+# -- in the runner, on SmolLM2 ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hermes_engine():
+    """SmolLM2 told it writes hermes calls (``tool_format``): its template does not describe the tools, but the
+    grammar, the decode loop and the splitter are the native path's."""
+    from common.settings import RunnerSettings
+    from runner.engine import Engine
+
+    engine = Engine.load(SMOLLM2_DIR, None, RunnerSettings(tool_format="hermes", prompt_cache=0))
+    yield engine
+    del engine
+    import gc
+
+    gc.collect()
+
+
+def split_answer(engine, **fields):
+    from runner.request import GenerationRequest
+    from tests.helpers import collect
+
+    request = GenerationRequest(
+        messages=(("user", "What is the weather in Paris? Call get_weather."),), tools=json.dumps(TOOLS), **fields
+    )
+    prepared = engine.prepare(request)
+    tokens, text, last = collect(engine.generate(request))
+    splitter = ToolCallStream(prepared.tool_format)
+    content, deltas = splitter.feed(text)
+    tail, more = splitter.finish()
+    return tokens, content + tail, splitter.calls, last
+
+
+def test_a_native_family_call_is_held_to_its_schema_and_parsed_back(hermes_engine):
+    assert hermes_engine.tool_format == "hermes"
+    tokens, content, calls, last = split_answer(hermes_engine, tool_choice="required", max_tokens=80)
+    assert content == "" and len(calls) >= 1 and last.stats.forced > 0
+    for call in calls:
+        jsonschema.validate(
+            json.loads(call.arguments),
+            next(t for t in TOOLS if t["function"]["name"] == call.name)["function"]["parameters"],
+        )
+    # Greedy output under the tool grammar is the same with speculation (n-gram drafts) on and off.
+    for drafter in ("ngram", "none"):
+        again, *_ = split_answer(hermes_engine, tool_choice="required", max_tokens=80, drafter=drafter)
+        assert again == tokens, drafter
+
+
+def test_native_auto_is_free_text_or_text_then_calls_never_a_broken_call(hermes_engine):
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2), (1.0, 3)):
+        _, content, calls, last = split_answer(
+            hermes_engine, tool_choice="auto", max_tokens=60, temperature=temperature, seed=seed
+        )
+        assert "<tool_call>" not in content  # a marker is always followed by a whole, valid call
+        for call in calls:
+            assert call.name in {"get_weather", "get_time"} and isinstance(json.loads(call.arguments), dict)
