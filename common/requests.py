@@ -81,6 +81,9 @@ def check_fields(
     tool_choice: str = "",
     tool_name: str = "",
     parallel_tool_calls: bool | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
 ) -> None:
     """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs, or
     (role, content, name, tool_call_id, tool_calls) tuples (``common.tool_calls.check_history``);
@@ -137,6 +140,11 @@ def check_fields(
         # Compared, not converted: NaN fails the comparison, and an integer too big for a float is refused.
         if not (isinstance(value, (int, float)) and -100 <= value <= 100):
             raise InvalidRequest("logit_bias", f"token {token}: the bias must lie in [-100, 100]")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not (isinstance(value, (int, float)) and -2 <= value <= 2):
+            raise InvalidRequest(name, "must lie in [-2, 2]")
+    if not (isinstance(repetition_penalty, (int, float)) and 0 < repetition_penalty <= 10):
+        raise InvalidRequest("repetition_penalty", "must lie in (0, 10] (1 turns it off)")
     if tools or tool_choice or tool_name:
         _text("tools", tools)
         if check_tools(tools, tool_choice, tool_name, parallel_tool_calls).calls and grammar:
@@ -200,4 +208,7 @@ def fields_of(message) -> dict:
         tool_choice=message.tool_choice,
         tool_name=message.tool_name,
         parallel_tool_calls=message.parallel_tool_calls if message.HasField("parallel_tool_calls") else None,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
     )

@@ -40,6 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from .constraint import Constraint, apply_masks
 from .depth import DepthController, FixedDepth
 from .drafters import ModelDrafter, Proposal
+from .penalties import Penalties
 from .prefill import PrefillPlanner
 from .rewind import Rewinder
 from .sampling import SamplingParams, filtered_probs, point_mass, sample, verify_greedy, verify_sampled
@@ -74,6 +75,7 @@ class Decoder:
         self.constraint: Constraint | None = None  # the request's grammar (set by the engine)
         self.stop_ids: frozenset[int] = frozenset()  # tokens that end the request: never forced ahead
         self.bias: mx.array | None = None  # added to every row the request chooses from (logit_bias)
+        self.penalties: Penalties | None = None  # presence, frequency and repetition penalties (runner.penalties)
 
     # -- prefill --------------------------------------------------------------------------------------
 
@@ -126,14 +128,21 @@ class Decoder:
             tokens, values = zip(*pairs)
             self.bias = mx.zeros(vocab).at[mx.array(tokens)].add(mx.array(values))
 
-    def process(self, logits: mx.array) -> mx.array:
-        """The rows a choice is made from: the raw logits plus the request's bias (the raw ones feed logprobs)."""
-        return logits if self.bias is None else logits + self.bias.astype(logits.dtype)
+    def process(self, logits: mx.array, before=None) -> mx.array:
+        """The rows a choice is made from: the raw logits plus the request's bias, penalised (the raw ones feed
+        logprobs). ``before``: the tokens fed ahead of each row in this round (``Penalties.apply``)."""
+        rows = logits if self.bias is None else logits + self.bias.astype(logits.dtype)
+        return rows if self.penalties is None else self.penalties.apply(rows, before)
 
     @property
     def plain_choice(self) -> bool:
         """Greedy on the raw logits: a batch may take the argmax of its rows at once."""
-        return self.params.greedy and self.bias is None and self.constraint is None
+        return self.params.greedy and self.bias is None and self.constraint is None and self.penalties is None
+
+    def _count(self, tokens) -> None:
+        """The answer grew by ``tokens`` (a list, or a token still on the device): the penalties count them."""
+        if self.penalties is not None:
+            self.penalties.count(tokens)
 
     def choose(self, logits: mx.array, key) -> mx.array:
         """The token after raw ``logits`` (the bias added here)."""
@@ -149,7 +158,9 @@ class Decoder:
         one key per token, alone or in a batch; under a grammar, among the tokens it allows here."""
         if self.constraint is not None:
             logits = apply_masks(logits[None], [self.constraint.mask()])[0]
-        return self.choose(logits, None if self.params.greedy else self._keys(1)[0])
+        chosen = self.choose(logits, None if self.params.greedy else self._keys(1)[0])
+        self._count(chosen)
+        return chosen
 
     def _queue(self, token) -> tuple[mx.array, mx.array]:
         """Queue the forward pass of ``token`` (an int, or a lazy array still on the device) and the
@@ -268,8 +279,10 @@ class Decoder:
         if drafts:
             self._snapshot()
         logits = self.model(mx.array(fed, dtype=mx.uint32)[None], cache=self.cache)[0]
+        self._count(forced)
         # Rows len(forced).. verify the drafts; a row after a forbidden draft is never reached (no mask).
-        rows = apply_masks(self.process(logits[len(forced) :]), masks + [None] * (len(drafts) + 1 - len(masks)))
+        rows = self.process(logits[len(forced) :], before=drafts)
+        rows = apply_masks(rows, masks + [None] * (len(drafts) + 1 - len(masks)))
         if not drafts:
             verdict_accepted, next_token = 0, self._pick(rows[0], verify_key)
             mx.eval(next_token)
@@ -288,6 +301,7 @@ class Decoder:
         if not constraint.finished:
             constraint.consume(token)
         tokens = forced + drafts[:verdict_accepted] + [token]
+        self._count(tokens[len(forced) :])
         if drafts:
             self._rewind(fed, 1 + len(forced) + verdict_accepted)
             self._drafts_kept(proposal, verdict_accepted)
@@ -448,16 +462,18 @@ class SpeculativeDecoder(Decoder):
         logits = self.model(mx.concatenate([mx.array(fed, dtype=mx.uint32), proposal.tokens])[None], cache=self.cache)[
             0
         ]
+        processed = self.process(logits, before=proposal.tokens)
         if self.params.greedy:
-            verdict = verify_greedy(self.process(logits), proposal.tokens)
+            verdict = verify_greedy(processed, proposal.tokens)
         else:
-            p = filtered_probs(self.process(logits), self.params)
+            p = filtered_probs(processed, self.params)
             q = proposal.probs if proposal.probs is not None else point_mass(proposal.tokens, p.shape[-1])
             verdict = verify_sampled(p, q, proposal.tokens, verify_key)
         mx.eval(verdict.accepted, verdict.next_token)
         accepted = verdict.accepted.item()
         drafts = proposal.tokens.tolist()
         tokens = drafts[:accepted] + [verdict.next_token.item()]
+        self._count(tokens)
         # The target saw pending + every draft; it keeps pending + the accepted drafts.
         self.rewinder.rewind(fed + drafts, 1 + accepted)
         self.drafter.accepted(proposal, accepted)

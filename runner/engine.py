@@ -38,6 +38,7 @@ from .depth import DepthController, FixedDepth
 from .drafters import ModelDrafter, NgramDrafter
 from .loading import LoadedModel, load_model
 from .malloc import malloc_trim
+from .penalties import Penalties
 from .platform import auto_dtype, device_name
 from .prefill import PrefillPlanner
 from .prompt_cache import Hit, PromptCache
@@ -285,6 +286,10 @@ class Engine:
         decoder.constraint = prepared.constraint
         decoder.stop_ids = prepared.eos_ids
         decoder.set_logit_bias(prepared.request.logit_bias, self.vocab_size)
+        request = prepared.request
+        penalties = (request.presence_penalty, request.frequency_penalty, request.repetition_penalty)
+        if Penalties.wanted(*penalties):
+            decoder.penalties = Penalties(self.vocab_size, prepared.prompt_ids, *penalties)
         return decoder
 
     def _decoder(self, prepared: PreparedRequest, reuse: Hit) -> Decoder:

@@ -63,6 +63,9 @@ class GenerationRequest:
     tool_choice: str = ""  # "auto" (""), "none", "required" or "function" (call tool_name)
     tool_name: str = ""
     parallel_tool_calls: bool | None = None  # None = True
+    presence_penalty: float = 0.0  # runner.penalties
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ Generate (``Supervisor.generate``), and every error the same mapping to a
 status (``common.status``), here as an HTTP status with OpenAI's error shape:
 ``{"error": {"message", "type", "param", "code"}}``. Unknown request fields are
 ignored, except OpenAI's that ask for something this server does not do yet
-(the penalties, ``functions``, ...: ``NOT_HONOURED``), which are a
+(``functions``, ``best_of``, ...: ``NOT_HONOURED``), which are a
 400 naming the field. ``response_format`` and vLLM's ``guided_*`` become the
 runner's ``grammar`` (``grammar_of``; runner.constraint). Chat's ``tools``,
 ``tool_choice`` and ``parallel_tool_calls``, and the history's ``tool_calls`` and
@@ -108,9 +108,6 @@ NOT_HONOURED = {
     "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "repetition_penalty": lambda v: v not in (None, 1, 1.0),
     "best_of": lambda v: v not in (None, 1),
     "prediction": lambda v: v is not None,
     "audio": lambda v: v is not None,
@@ -283,6 +280,10 @@ class Sampling(Schema):
     guided_grammar: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     logit_bias: dict[str, Number] | None = None
+    # Penalties (runner.penalties): OpenAI's, and repetition_penalty (vLLM's and mlx-lm's extension)
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
 
     def sampling_fields(self, max_tokens: int | None) -> dict:
         """The shared fields as ``common.requests.check_fields`` and the message take them, OpenAI's defaults
@@ -304,6 +305,10 @@ class Sampling(Schema):
                 self.response_format, self.guided_json, self.guided_regex, self.guided_grammar, self.guided_choice
             ),
             "logit_bias": self.token_biases(),
+            # Judged by check_fields as they are (by comparison: a huge integer or NaN is a 400, not a crash).
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
         }
 
     def token_biases(self) -> dict[int, int | float]:

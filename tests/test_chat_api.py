@@ -217,14 +217,14 @@ def test_errors_arrive_as_the_sdks_exceptions_in_openais_shape(sup, client):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": 1.0}, "frequency_penalty"),
-        ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
+        ({"extra_body": {"best_of": 3}}, "best_of"),
+        ({"prediction": {"type": "content", "content": "Paris"}}, "prediction"),
+        ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
     ],
 )
 def test_a_field_the_server_cannot_honour_is_refused_not_ignored(client, fields, param):
-    """Until the penalties exist (issue #21), asking for them is a 400 naming the field: the answer would
-    otherwise not be what was asked for, and nothing would say so."""
+    """A field this server does not honour is a 400 naming it: the answer would otherwise not be what was
+    asked for, and nothing would say so."""
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="smol", messages=CAPITAL, max_tokens=4, **fields)
     assert caught.value.status_code == 400 and caught.value.body["param"] == param
