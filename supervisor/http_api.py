@@ -251,6 +251,18 @@ def grammar_of(
     return json.dumps({"regex": value} if name == "guided_regex" else {"lark": value})
 
 
+def in_own_words(error: ServiceError, body) -> ServiceError:
+    """A runner's refusal of the ``grammar`` it was sent, naming the field of this request that asked for it
+    (``response_format`` or a ``guided_*``)."""
+    asked = body.grammar_field() if error.param == "grammar" else None
+    if asked is None:
+        return error
+    message = (
+        error.message.replace("grammar:", f"{asked}:", 1) if error.message.startswith("grammar:") else error.message
+    )
+    return ServiceError(error.code, message, asked)
+
+
 class Sampling(Schema):
     """The fields chat and completions share. Unknown fields are kept aside (``model_extra``) so that one
     this server cannot honour is refused (``NOT_HONOURED``); others are ignored."""
@@ -310,6 +322,13 @@ class Sampling(Schema):
             "frequency_penalty": self.frequency_penalty or 0.0,
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
         }
+
+    def grammar_field(self) -> str | None:
+        """The field that asked for a grammar, if one did."""
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        names = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
+        return next((name for name in names if getattr(self, name) is not None), None)
 
     def token_biases(self) -> dict[int, int | float]:
         """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to numbers, judged by
@@ -635,11 +654,14 @@ def create_app(supervisor) -> FastAPI:
         proto = body.to_proto()
         generation = supervisor.generate(proto, timeout=None)
         out = Answer(kind, body.model, logprobs)
-        if body.stream:
-            return await stream(
-                request, generation, out, bool(body.stream_options and body.stream_options.include_usage)
-            )
-        return await whole(request, generation, out)
+        try:
+            if body.stream:
+                return await stream(
+                    request, generation, out, bool(body.stream_options and body.stream_options.include_usage)
+                )
+            return await whole(request, generation, out)
+        except ServiceError as error:
+            raise in_own_words(error, body) from None
 
     async def until_done(request: Request, generation, work):
         """``work()`` on a worker thread; a client that disconnects meanwhile cancels the generation."""
