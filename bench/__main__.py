@@ -22,6 +22,7 @@ SECTIONS = (
     "batching",
     "grammar",
     "structured",
+    "tools",
 )
 
 PAGE_HEADER = """# Benchmarks
