@@ -70,6 +70,7 @@ class Round:
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asks
+    stop_sequence: str = ""  # the last round: the stop string that ended it, if one did
 
 
 def token_logprobs(tokenizer, logits: mx.array, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -90,6 +90,7 @@ def chunk_to_proto(r: Round, tools: ToolCallStream | None = None) -> runner_pb2.
         )
     if r.finish_reason is not None:
         chunk.finish_reason = r.finish_reason
+        chunk.stop_sequence = r.stop_sequence
         if r.finish_reason == FinishReason.STOP and tools is not None and tools.calls and tools.complete:
             chunk.finish_reason = FinishReason.TOOL_CALLS
     if r.stats is not None:
@@ -156,11 +157,20 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         job = worker.submit(prepared)
         context.add_callback(job.cancel)  # client gone or deadline passed
         tools = ToolCallStream(prepared.tool_format) if prepared.tool_format else None
+        first = True
         try:
             for round_ in job.results():
-                yield chunk_to_proto(round_, tools)
+                chunk = chunk_to_proto(round_, tools)
+                if first:
+                    chunk.prompt_tokens, first = len(prepared.prompt_ids), False
+                yield chunk
         finally:
             job.cancel()
+
+    def CountTokens(self, message, context):
+        self._ready()
+        prepared = self.engine.prepare(request_from_proto(message))
+        return runner_pb2.CountTokensResponse(prompt_tokens=len(prepared.prompt_ids))
 
     def Info(self, message, context):
         self._ready()

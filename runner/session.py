@@ -262,6 +262,7 @@ class Session:
         else:
             last.text += self.stopping.finish()
         last.finish_reason = self.finish_reason or FinishReason.CANCELLED
+        last.stop_sequence = self.stopping.text.stop_string
         last.stats = stats
         self.final = last
         return last

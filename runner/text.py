@@ -48,15 +48,16 @@ class StopMatcher:
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
+        self.matched = ""  # the stop string found
         self._longest = max((len(s) for s in self.stops), default=0)
 
     def find(self, text: str, sent: int) -> int | None:
-        """Index where the earliest stop string starts, looking only at new text."""
+        """Index where the earliest stop string starts, looking only at new text (``matched`` names it)."""
         found = None
         for stop in self.stops:
             index = text.find(stop, max(0, sent - len(stop) + 1))
             if index != -1 and (found is None or index < found):
-                found = index
+                found, self.matched = index, stop
         return found
 
     def safe_end(self, text: str, sent: int) -> int:
@@ -95,6 +96,11 @@ class TextStream:
     @property
     def text(self) -> str:
         return self._decoder.text[: self._sent]
+
+    @property
+    def stop_string(self) -> str:
+        """The stop string that ended the text ("" if none did)."""
+        return self._stops.matched if self.stopped else ""
 
     def _release(self, final: bool) -> str:
         text = self._decoder.text

@@ -175,3 +175,26 @@ class Generation:
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline and runner.state == State.SERVING and runner.pid in (0, old_pid):
             time.sleep(0.02)
+
+
+def count_tokens(supervisor, request, timeout: float = 120.0) -> int:
+    """The prompt's tokens as its generation would lay it out (the runner's CountTokens: chat template and
+    tools), loading the model on demand; errors as a generation's (``ServiceError``)."""
+    try:
+        check_message(request)
+    except InvalidRequest as error:
+        raise status_of(error) from None
+    runners = supervisor.scheduler.runners
+    model = request.model or (next(iter(runners)) if len(runners) == 1 else "")
+    forwarded = runner_pb2.GenerateRequest.FromString(request.SerializeToString())
+    forwarded.DiscardUnknownFields()
+    with supervisor.scheduler.acquire(model, timeout=timeout) as runner:
+        try:
+            return runner.client.stub.CountTokens(forwarded, timeout=timeout).prompt_tokens
+        except grpc.RpcError as error:
+            code, details = error.code(), error.details() or error.code().name
+            if code in PASSED_THROUGH:
+                raise ServiceError(
+                    code, details, field_named(details) if code == Code.INVALID_ARGUMENT else None
+                ) from None
+            raise ServiceError(Code.UNAVAILABLE, f"model {model}: {details}") from None

@@ -40,16 +40,17 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from fastapi.responses import JSONResponse
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequest
 from common.protocol import runner_pb2
-from common.requests import NOT_UNICODE, FinishReason, check_fields, is_unicode
+from common.requests import FinishReason
 from common.status import Code, ServiceError, status_of
 
+from .http_common import EventStream, Number, Schema, build_request, speculation, tool_calls
 from .http_errors import openai_error
 from .protocol import supervisor_pb2
 
@@ -62,41 +63,9 @@ FINISH_REASONS = {
     FinishReason.CANCELLED: "stop",
     FinishReason.TOOL_CALLS: "tool_calls",
 }
-Number = StrictInt | StrictFloat
 
 
 # -- request schemas ----------------------------------------------------------------------------------
-
-
-def lone_surrogate(value, path: str = "") -> str | None:
-    """Where a string of the JSON body holds a lone surrogate (``"\\ud800"``, which JSON allows and UTF-8 cannot
-    carry), or None."""
-    if isinstance(value, str):
-        if not is_unicode(value):
-            return path or "body"
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            found = lone_surrogate(key, path) or lone_surrogate(item, f"{path}.{key}" if path else str(key))
-            if found:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found = lone_surrogate(item, f"{path}.{index}" if path else str(index))
-            if found:
-                return found
-    return None
-
-
-class Schema(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def unicode_only(cls, data):
-        where = lone_surrogate(data)
-        if where is not None:
-            raise ValueError(f"{where}: {NOT_UNICODE}")
-        return data
 
 
 # OpenAI fields that change what the model must produce, which this server does not honour yet (or not on this
@@ -342,25 +311,7 @@ class Sampling(Schema):
         return biases
 
     def build(self, fields: dict, messages=()) -> supervisor_pb2.GenerateRequest:
-        """The message, once ``check_fields`` has found every field in range (so each fits its message field)."""
-        check_fields(**fields, messages=messages)
-        proto = supervisor_pb2.GenerateRequest(
-            model=self.model, ignore_eos=self.ignore_eos, request_id=f"http-{secrets.token_hex(6)}"
-        )
-        for key, value in fields.items():
-            if value is None:
-                continue
-            if isinstance(value, list):
-                getattr(proto, key).extend(value)
-            elif isinstance(value, dict):
-                getattr(proto, key).update(value)
-            else:
-                setattr(proto, key, value)
-        for role, content, name, call_id, calls in messages:
-            message = proto.messages.add(role=role, content=content, name=name, tool_call_id=call_id)
-            for call in calls:
-                message.tool_calls.add(id=call[0], name=call[1], arguments=call[2])
-        return proto
+        return build_request(self.model, fields, messages, ignore_eos=self.ignore_eos)
 
 
 class ChatCompletionRequest(Sampling):
@@ -447,19 +398,6 @@ def usage(stats: runner_pb2.GenerationStats) -> dict:
     }
 
 
-def speculation(stats: runner_pb2.GenerationStats) -> dict:
-    return {
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "acceptance_rate": round(stats.acceptance_rate, 4),
-        "rounds": stats.rounds,
-        "tokens_per_second": round(stats.tokens_per_second, 2),
-        "time_to_first_token_s": round(stats.time_to_first_token_s, 4),
-        "drafter": stats.drafter,
-        "forced": stats.forced,
-    }
-
-
 def chat_logprobs(entries) -> list[dict]:
     return [
         {
@@ -492,17 +430,6 @@ def tool_call_delta(delta) -> dict:
         piece = {"index": delta.index, "id": delta.id, "type": "function"}
         piece["function"] = {"name": delta.name, "arguments": delta.arguments}
     return piece
-
-
-def tool_calls(deltas) -> list[dict]:
-    """The answer's calls, put together from their deltas."""
-    calls: dict[int, dict] = {}
-    for delta in deltas:
-        call = calls.setdefault(delta.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
-        if delta.id:
-            call["id"], call["function"]["name"] = delta.id, delta.name
-        call["function"]["arguments"] += delta.arguments
-    return [calls[index] for index in sorted(calls)]
 
 
 class Answer:
@@ -592,43 +519,57 @@ def sse(data: dict | str) -> str:
 # -- the app -------------------------------------------------------------------------------------------
 
 
-def error_response(error: BaseException) -> JSONResponse:
-    status, body = openai_error(status_of(error))
+def error_response(error: BaseException, request: Request | None = None) -> JSONResponse:
+    """The error in the shape of the API the request spoke: Anthropic's under /v1/messages, else OpenAI's."""
+    if request is not None and request.url.path.startswith("/v1/messages"):
+        from .anthropic_api import anthropic_error
+
+        status, body = anthropic_error(status_of(error))
+    else:
+        status, body = openai_error(status_of(error))
     return JSONResponse(body, status_code=status)
 
 
 def create_app(supervisor) -> FastAPI:
     """The ASGI app over one ``Supervisor`` (anything with ``generate``, ``config`` and ``scheduler``)."""
     app = FastAPI(title="mlxserve", version="1", docs_url=None, redoc_url=None)
-    expected = f"Bearer {supervisor.config.auth_token}" if supervisor.config.auth_token else None
+    token = supervisor.config.auth_token
 
     def authorized(request: Request) -> None:
-        if expected is not None and request.headers.get("authorization") != expected:
-            raise ServiceError(Code.UNAUTHENTICATED, "missing or wrong bearer token (Authorization: Bearer ...)")
+        """The token as a bearer token, or as Anthropic's x-api-key header."""
+        if (
+            token
+            and request.headers.get("authorization") != f"Bearer {token}"
+            and request.headers.get("x-api-key") != token
+        ):
+            raise ServiceError(
+                Code.UNAUTHENTICATED, "missing or wrong token (Authorization: Bearer ..., or x-api-key: ...)"
+            )
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, error: ServiceError):
-        return error_response(error)
+        return error_response(error, request)
 
     @app.exception_handler(InvalidRequest)
     async def invalid_field(request: Request, error: InvalidRequest):  # common.requests.check_fields
-        return error_response(error)
+        return error_response(error, request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
         problem = error.errors()[0]
         location = [str(part) for part in problem.get("loc", ()) if part != "body"]
         if problem.get("type") == "json_invalid":
-            return error_response(ServiceError(Code.INVALID_ARGUMENT, "the request body is not valid JSON"))
+            return error_response(ServiceError(Code.INVALID_ARGUMENT, "the request body is not valid JSON"), request)
         param = location[0] if location else None
         where = ".".join(location) or "body"
-        return error_response(ServiceError(Code.INVALID_ARGUMENT, f"{where}: {problem.get('msg')}", param))
+        return error_response(ServiceError(Code.INVALID_ARGUMENT, f"{where}: {problem.get('msg')}", param), request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
         code = {404: Code.NOT_FOUND, 405: Code.UNIMPLEMENTED}.get(error.status_code, Code.INVALID_ARGUMENT)
-        status, body = openai_error(ServiceError(code, f"{request.method} {request.url.path}: {error.detail}"))
-        return JSONResponse(body, status_code=error.status_code)
+        response = error_response(ServiceError(code, f"{request.method} {request.url.path}: {error.detail}"), request)
+        response.status_code = error.status_code
+        return response
 
     def model_object(name: str) -> dict:
         return {"id": name, "object": "model", "created": int(supervisor.started_at), "owned_by": "mlxserve"}
@@ -703,29 +644,10 @@ def create_app(supervisor) -> FastAPI:
 
         return EventStream(events(), generation, chunks)
 
+    from . import anthropic_api
+
+    anthropic_api.register(app, supervisor, authorized, until_done)
     return app
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events of one generation. However the response ends (streamed to the end, client gone, or
-    never started), the generation is cancelled, which stops its runner call, and its stream is closed.
-
-    Starlette stops a stream whose client went away by cancelling it, and it neither closes ``events`` nor
-    ``chunks``; left to the garbage collector, they would hold the runner call until a collection."""
-
-    def __init__(self, events, generation, chunks):
-        super().__init__(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
-        self.generation, self.chunks = generation, chunks
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.generation.cancel()  # a no-op once finished
-            # No thread is inside chunks now: a cancelled wait for its next() still waits for the thread.
-            self.chunks.close()
 
 
 class HttpServer:

@@ -18,7 +18,7 @@ from common.defaults import CHANNEL_OPTIONS
 from common.status import StatusInterceptor
 
 from .config import SupervisorConfig, resolve_gguf
-from .generation import Generation
+from .generation import Generation, count_tokens
 from .memory import MemoryWatch, RunnerMemory
 from .probes import Metrics, ProbeServer
 from .protocol import supervisor_pb2, supervisor_pb2_grpc
@@ -151,6 +151,10 @@ class Supervisor:
     def generate(self, request, timeout: float | None) -> Generation:
         """The one internal path of a generation, for the gRPC and the HTTP API alike."""
         return Generation(self, request, timeout)
+
+    def count_tokens(self, request) -> int:
+        """The prompt's tokens as ``generate`` would lay ``request`` out (the model loaded on demand)."""
+        return count_tokens(self, request)
 
     # -- state reporting ------------------------------------------------------
 

@@ -153,6 +153,18 @@ class SupervisorProcess:
             **options,
         )
 
+    def anthropic(self, api_key: str | None = None, **options):
+        """The official Anthropic client, pointed at this supervisor's HTTP API (its Messages API)."""
+        from anthropic import Anthropic
+
+        return Anthropic(
+            base_url=self.base_url.removesuffix("/v1"),
+            api_key=self.token or "none" if api_key is None else api_key,
+            max_retries=0,
+            timeout=300,
+            **options,
+        )
+
     def wait_ready(self, timeout: float = 90) -> SupervisorProcess:
         if not self.client.wait_serving(timeout):
             raise AssertionError(f"supervisor not ready (exit {self.process.poll()}):\n{self.stderr[-3000:]}")

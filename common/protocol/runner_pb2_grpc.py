@@ -44,6 +44,11 @@ class RunnerStub:
                 request_serializer=common_dot_protocol_dot_runner__pb2.InfoRequest.SerializeToString,
                 response_deserializer=common_dot_protocol_dot_runner__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.CountTokens = channel.unary_unary(
+                '/mlxserve.runner.v1.Runner/CountTokens',
+                request_serializer=common_dot_protocol_dot_runner__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.CountTokensResponse.FromString,
+                _registered_method=True)
         self.Memory = channel.unary_unary(
                 '/mlxserve.runner.v1.Runner/Memory',
                 request_serializer=common_dot_protocol_dot_runner__pb2.MemoryRequest.SerializeToString,
@@ -79,6 +84,14 @@ class RunnerServicer:
 
     def Info(self, request, context):
         """What this runner serves and how it is configured.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CountTokens(self, request, context):
+        """The prompt's tokens as Generate would lay it out (chat template, tools), checked as Generate checks it;
+        nothing is generated.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,6 +139,11 @@ def add_RunnerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=common_dot_protocol_dot_runner__pb2.InfoRequest.FromString,
                     response_serializer=common_dot_protocol_dot_runner__pb2.InfoResponse.SerializeToString,
+            ),
+            'CountTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountTokens,
+                    request_deserializer=common_dot_protocol_dot_runner__pb2.GenerateRequest.FromString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.CountTokensResponse.SerializeToString,
             ),
             'Memory': grpc.unary_unary_rpc_method_handler(
                     servicer.Memory,
@@ -202,6 +220,33 @@ class Runner:
             '/mlxserve.runner.v1.Runner/Info',
             common_dot_protocol_dot_runner__pb2.InfoRequest.SerializeToString,
             common_dot_protocol_dot_runner__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxserve.runner.v1.Runner/CountTokens',
+            common_dot_protocol_dot_runner__pb2.GenerateRequest.SerializeToString,
+            common_dot_protocol_dot_runner__pb2.CountTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,
