@@ -84,6 +84,7 @@ def check_fields(
     presence_penalty: float = 0.0,
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 1.0,
+    max_context: int = 0,
 ) -> None:
     """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs, or
     (role, content, name, tool_call_id, tool_calls) tuples (``common.tool_calls.check_history``);
@@ -145,6 +146,8 @@ def check_fields(
             raise InvalidRequest(name, "must lie in [-2, 2]")
     if not (isinstance(repetition_penalty, (int, float)) and 0 < repetition_penalty <= 10):
         raise InvalidRequest("repetition_penalty", "must lie in (0, 10] (1 turns it off)")
+    if not 0 <= max_context <= INT32_MAX:
+        raise InvalidRequest("max_context", "must be >= 0 (0: the model's own context)")
     if tools or tool_choice or tool_name:
         _text("tools", tools)
         if check_tools(tools, tool_choice, tool_name, parallel_tool_calls).calls and grammar:
@@ -211,4 +214,5 @@ def fields_of(message) -> dict:
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
+        max_context=message.max_context,
     )

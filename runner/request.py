@@ -66,6 +66,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0  # runner.penalties
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    max_context: int = 0  # > 0: the context this request may fill, below the model's (Ollama's num_ctx)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,8 @@ def prepare(
     """Validate (``common.requests.check_fields``: the same judge as the supervisor's) and tokenize ``request``
     once; raises InvalidRequest naming the field. ``tool_format``: how this model writes tool calls."""
     check_fields(**{f.name: getattr(request, f.name) for f in fields(request) if f.name in CHECKED})
+    if request.max_context:
+        context_length = min(context_length, request.max_context)
     tools = check_tools(request.tools, request.tool_choice, request.tool_name, request.parallel_tool_calls)
     prompt_ids = prompt_ids_of(request, tokenizer, vocab_size, context_length, tools, tool_format)
     if len(prompt_ids) >= context_length:

@@ -183,6 +183,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             device_detail=platform.describe(),
             device_memory=platform.device_memory(),
             tool_format=engine.tool_format,
+            chat_template=bool(getattr(engine.tokenizer, "has_chat_template", False)),
             num_draft_tokens=engine.default_num_draft_tokens,
             release_interval=engine.settings.release_interval,
             release_enabled=engine.settings.release_enabled,

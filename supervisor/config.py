@@ -1,7 +1,8 @@
 """The supervisor's configuration: a TOML file, or the zero-config default pair.
 
     listen = "127.0.0.1:50051"        # or "unix:///path"; non-loopback needs allow_remote
-    http_listen = "127.0.0.1:8080"    # the OpenAI-compatible HTTP API ("" = off); same loopback, token and TLS rules
+    http_listen = "127.0.0.1:8080"    # the HTTP APIs (OpenAI's, Anthropic's, Ollama's; "" = off); loopback, token, TLS
+    ollama_listen = "127.0.0.1:11434" # the same APIs where Ollama's clients look ("" = off, the default)
     probe_port = 9464                 # HTTP /healthz /readyz /metrics on 127.0.0.1 (0 = off)
     runtime_dir = "/run/mlxserve"     # runner sockets (default: a private folder under /tmp)
     max_loaded = 2                    # runners alive at once; least recently used idle one is evicted
@@ -93,6 +94,7 @@ class SupervisorConfig:
     models: dict[str, ModelConfig]
     listen: str = DEFAULT_LISTEN
     http_listen: str = DEFAULT_HTTP_LISTEN
+    ollama_listen: str = ""  # a second address for the HTTP APIs, where Ollama's clients look ("" = off)
     probe_port: int = DEFAULT_PROBE_PORT
     runtime_dir: Path = field(default_factory=lambda: default_runtime_dir())
     max_loaded: int = 0  # 0 = as many as there are models
@@ -228,6 +230,17 @@ def is_loopback(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def _http_address(key: str, address: str, allow_remote: bool) -> str:
+    """An HTTP listen address (HOST:PORT, or "" for off), checked."""
+    if address:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(key, f"{address!r} is not HOST:PORT")
+        if not is_loopback(address) and not allow_remote:
+            raise ConfigError(key, f"{address} is not a loopback address: set allow_remote = true to bind it")
+    return address
+
+
 def from_dict(data: dict, base: Path) -> SupervisorConfig:
     data = dict(data)
     models_table = data.pop("models", None)
@@ -249,15 +262,10 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
     allow_remote = _take(data, "allow_remote", "", bool, False)
     if not is_loopback(listen) and not allow_remote:
         raise ConfigError("listen", f"{listen} is not a loopback address: set allow_remote = true to bind it")
-    http_listen = _take(data, "http_listen", "", str, DEFAULT_HTTP_LISTEN)
-    if http_listen:
-        host, _, port = http_listen.rpartition(":")
-        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError("http_listen", f"{http_listen!r} is not HOST:PORT")
-        if not is_loopback(http_listen) and not allow_remote:
-            raise ConfigError(
-                "http_listen", f"{http_listen} is not a loopback address: set allow_remote = true to bind it"
-            )
+    http_listen = _http_address("http_listen", _take(data, "http_listen", "", str, DEFAULT_HTTP_LISTEN), allow_remote)
+    ollama_listen = _http_address("ollama_listen", _take(data, "ollama_listen", "", str, ""), allow_remote)
+    if ollama_listen and ollama_listen == http_listen:
+        raise ConfigError("ollama_listen", "must differ from http_listen (which serves Ollama's API already)")
     probe_port = _take(data, "probe_port", "", int, DEFAULT_PROBE_PORT)
     if not 0 <= probe_port <= 65535:
         raise ConfigError("probe_port", "must lie in [0, 65535]")
@@ -295,6 +303,7 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
         models=models,
         listen=listen,
         http_listen=http_listen,
+        ollama_listen=ollama_listen,
         probe_port=probe_port,
         runtime_dir=runtime_dir,
         max_loaded=max_loaded,

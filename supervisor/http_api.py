@@ -520,11 +520,16 @@ def sse(data: dict | str) -> str:
 
 
 def error_response(error: BaseException, request: Request | None = None) -> JSONResponse:
-    """The error in the shape of the API the request spoke: Anthropic's under /v1/messages, else OpenAI's."""
+    """The error in the shape of the API the request spoke: Anthropic's under /v1/messages, Ollama's under /api/,
+    else OpenAI's."""
     if request is not None and request.url.path.startswith("/v1/messages"):
         from .anthropic_api import anthropic_error
 
         status, body = anthropic_error(status_of(error))
+    elif request is not None and request.url.path.startswith("/api/"):
+        from .ollama_api import ollama_error
+
+        status, body = ollama_error(status_of(error))
     else:
         status, body = openai_error(status_of(error))
     return JSONResponse(body, status_code=status)
@@ -644,9 +649,10 @@ def create_app(supervisor) -> FastAPI:
 
         return EventStream(events(), generation, chunks)
 
-    from . import anthropic_api
+    from . import anthropic_api, ollama_api
 
     anthropic_api.register(app, supervisor, authorized, until_done)
+    ollama_api.register(app, supervisor, authorized, until_done)
     return app
 
 

@@ -89,6 +89,7 @@ class ManagedRunner:
         self.process: subprocess.Popen | None = None
         self.client: RunnerClient | None = None
         self.info = None  # the serving runner's InfoResponse
+        self.keep_alive: float | None = None  # idle seconds before unloading, as the last request set it (None: config)
         self.prompt_cache_budget: int | None = None  # set by the scheduler before each start
         self.batch_memory_budget: int | None = None  # likewise
         self.restarts = 0

@@ -116,7 +116,8 @@ class Scheduler:
         while not self._stop.wait(0.5):
             now = time.monotonic()
             for runner in self.runners.values():
-                keep_alive = runner.model.keep_alive
+                # A request may set its own (Ollama's keep_alive; math.inf: never); else the model's setting.
+                keep_alive = runner.model.keep_alive if runner.keep_alive is None else runner.keep_alive
                 if (
                     keep_alive
                     and runner.state == State.SERVING

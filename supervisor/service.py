@@ -135,17 +135,23 @@ class Supervisor:
         self.port = port
         self.probes = ProbeServer(config.probe_port, self.metrics, self._readiness) if config.probe_port else None
         self.http = None
-        if config.http_listen:
-            from .http_api import HttpServer, create_app
+        self.ollama_http = None  # the same APIs where Ollama's clients look (ollama_listen)
+        from .http_api import HttpServer, create_app
 
-            self.http = HttpServer(
+        def http_server(address: str):
+            return HttpServer(
                 create_app(self),
-                config.http_listen,
+                address,
                 config.tls_cert,
                 config.tls_key,
                 grace=config.drain_grace + config.kill_timeout,
                 threads=streams + 32,
             )
+
+        if config.http_listen:
+            self.http = http_server(config.http_listen)
+        if config.ollama_listen:
+            self.ollama_http = http_server(config.ollama_listen)
         self._stopped = threading.Event()
 
     def generate(self, request, timeout: float | None) -> Generation:
@@ -241,8 +247,9 @@ class Supervisor:
 
     def start(self) -> None:
         self.server.start()
-        if self.http:
-            self.http.start()
+        for http in (self.http, self.ollama_http):
+            if http:
+                http.start()
         if self.probes:
             self.probes.start()
         self.memory.start()
@@ -268,12 +275,14 @@ class Supervisor:
         # and ends with UNAVAILABLE "supervisor shutting down", before gRPC's own grace runs out.
         grace = self.config.drain_grace + self.config.kill_timeout + 1
         done = self.server.stop(grace)
-        if self.http:
-            self.http.begin_stop()
+        for http in (self.http, self.ollama_http):
+            if http:
+                http.begin_stop()
         self.scheduler.stop_all()
         done.wait(grace + 1)
-        if self.http:
-            self.http.stop()
+        for http in (self.http, self.ollama_http):
+            if http:
+                http.stop()
         self.memory.stop()
         if self.probes:
             self.probes.stop()

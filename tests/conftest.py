@@ -17,11 +17,11 @@ def engine() -> Engine:
 
 @pytest.fixture(scope="session")
 def chat_supervisor(tmp_path_factory):
-    """One supervisor for the client API tests (test_chat_api, test_structured_output): SmolLM2 ("smol", the
+    """One supervisor for the client API tests (OpenAI's, Anthropic's, Ollama's): SmolLM2 ("smol", the
     chat model), the default pair ("pair", no chat template, speculates) and a model with no queue ("busy")."""
     from common.defaults import SMOLLM2_DIR
     from tests.helpers import CHAT_TOKEN
-    from tests.processes import SupervisorProcess, model_toml
+    from tests.processes import SupervisorProcess, free_port, model_toml
 
     models = (
         model_toml("smol", target=SMOLLM2_DIR, draft=None)
@@ -30,7 +30,12 @@ def chat_supervisor(tmp_path_factory):
     )
     # With the cyclic collector off, a stream whose runner call were released only when collected stays held.
     sup = SupervisorProcess(
-        tmp_path_factory.mktemp("chat"), models, collector=False, auth_token=CHAT_TOKEN, log_format="json"
+        tmp_path_factory.mktemp("chat"),
+        models,
+        collector=False,
+        auth_token=CHAT_TOKEN,
+        log_format="json",
+        ollama_listen=f"127.0.0.1:{free_port()}",  # Ollama's API on an address of its own as well
     ).wait_ready(180)
     yield sup
     assert sup.stop() == 0

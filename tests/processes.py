@@ -131,6 +131,7 @@ class SupervisorProcess:
             [sys.executable, *command], stderr=open(self.stderr_path, "w"), env=child_environment()
         )
         self.token = settings.get("auth_token", "")
+        self.ollama_listen = settings.get("ollama_listen", "")  # HOST:PORT, when the config sets one
         self.client = SupervisorClient(f"127.0.0.1:{self.port}", token=self.token)
 
     @property
@@ -164,6 +165,13 @@ class SupervisorProcess:
             timeout=300,
             **options,
         )
+
+    def ollama(self, host: str | None = None):
+        """The official Ollama client, pointed at this supervisor (its main HTTP port unless ``host``)."""
+        import ollama
+
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
+        return ollama.Client(host=host or f"http://127.0.0.1:{self.http_port}", headers=headers, timeout=300)
 
     def wait_ready(self, timeout: float = 90) -> SupervisorProcess:
         if not self.client.wait_serving(timeout):

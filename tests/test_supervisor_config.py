@@ -75,6 +75,7 @@ def test_mistakes_name_their_key(tmp_path, data, key):
         ("listen", "[::]:6000"),
         ("http_listen", "0.0.0.0:8080"),
         ("http_listen", "[2001:db8::1]:8080"),
+        ("ollama_listen", "0.0.0.0:11434"),
     ],
 )
 def test_remote_listen_needs_allow_remote(tmp_path, key, address):
@@ -97,10 +98,18 @@ def test_remote_listen_needs_allow_remote(tmp_path, key, address):
         ("listen", "unix:///tmp/mlxserve.sock"),
         ("http_listen", "127.0.0.2:8080"),
         ("http_listen", ""),
+        ("ollama_listen", "127.0.0.1:11434"),
     ],
 )
 def test_loopback_listen_needs_no_allow_remote(tmp_path, key, address):
     assert getattr(from_dict({**GOOD, key: address}, tmp_path), key) == address
+
+
+def test_ollama_listen_is_off_by_default_and_not_the_http_address(tmp_path):
+    assert from_dict(GOOD, tmp_path).ollama_listen == ""
+    with pytest.raises(ConfigError) as caught:
+        from_dict({**GOOD, "http_listen": "127.0.0.1:9000", "ollama_listen": "127.0.0.1:9000"}, tmp_path)
+    assert caught.value.key == "ollama_listen"
 
 
 def test_sizes_and_durations():
