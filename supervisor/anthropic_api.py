@@ -55,6 +55,7 @@ ERROR_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    529: "overloaded_error",
 }
 # Fields that ask for what this server does not do: refused, never ignored (a value that asks for nothing passes).
 NOT_HONOURED = {
@@ -65,8 +66,9 @@ NOT_HONOURED = {
 
 
 def anthropic_error(error: ServiceError) -> tuple[int, dict]:
-    """HTTP status and body in Anthropic's error shape."""
-    status = http_status(error.code)
+    """HTTP status and body in Anthropic's error shape; a full queue is Anthropic's 529 overloaded_error, which
+    its clients retry after a while."""
+    status = 529 if error.code == Code.RESOURCE_EXHAUSTED else http_status(error.code)
     kind = ERROR_TYPES.get(status, "api_error")
     return status, {"type": "error", "error": {"type": kind, "message": error.message}}
 

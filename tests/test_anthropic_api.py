@@ -159,3 +159,32 @@ def test_the_token_goes_as_x_api_key_or_bearer(chat_supervisor):
     no_max = httpx.post(url, json={"model": "smol", "messages": ASK}, headers={"x-api-key": CHAT_TOKEN}, timeout=60)
     assert no_max.status_code == 400 and "max_tokens" in no_max.json()["error"]["message"]  # required, as Anthropic's
     assert httpx.post(url, json=body, headers={"authorization": f"Bearer {CHAT_TOKEN}"}, timeout=60).status_code == 200
+
+
+def test_a_claude_code_like_session_reads_the_prompt_cache_from_its_second_turn(claude):
+    """count_tokens each turn, a long system prompt, tools, streaming: the conversation so far comes from the
+    prompt cache from the second turn on, and each count is the prompt the turn then reports."""
+    system = "You are a coding assistant working in a repository. " * 40
+    conversation = []
+    for turn, question in enumerate(["Name a sorting algorithm.", "Why is it fast?", "Name another one."]):
+        conversation.append({"role": "user", "content": question})
+        fields = {"model": "smol", "system": system, "messages": conversation, "tools": TOOLS}
+        counted = claude.messages.count_tokens(**fields).input_tokens
+        with claude.messages.stream(max_tokens=24, **fields, **GREEDY) as stream:
+            message = stream.get_final_message()
+        usage = message.usage
+        assert counted == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+        if turn > 0:
+            assert usage.cache_read_input_tokens > counted // 2, usage
+        conversation.append({"role": "assistant", "content": [b.model_dump() for b in message.content]})
+
+
+def test_a_full_queue_is_anthropics_overloaded_error():
+    from common.status import Code, ServiceError
+    from supervisor.anthropic_api import anthropic_error
+
+    status, body = anthropic_error(ServiceError(Code.RESOURCE_EXHAUSTED, "1 request already waiting"))
+    assert status == 529 and body == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "1 request already waiting"},
+    }
