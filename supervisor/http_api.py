@@ -649,10 +649,11 @@ def create_app(supervisor) -> FastAPI:
 
         return EventStream(events(), generation, chunks)
 
-    from . import anthropic_api, ollama_api
+    from . import anthropic_api, ollama_api, responses_api
 
     anthropic_api.register(app, supervisor, authorized, until_done)
     ollama_api.register(app, supervisor, authorized, until_done)
+    responses_api.register(app, supervisor, authorized, until_done)
     return app
 
 
