@@ -27,7 +27,10 @@ def create(client, **fields):
 
 def test_a_response_and_its_stream_say_the_same(chat_client):
     whole = create(
-        chat_client, input="What is the capital of France?", instructions="You are a helpful assistant.", max_output_tokens=120
+        chat_client,
+        input="What is the capital of France?",
+        instructions="You are a helpful assistant.",
+        max_output_tokens=120,
     )
     assert whole.object == "response" and whole.id.startswith("resp_") and whole.status == "completed"
     assert whole.output_text and whole.usage.input_tokens > 0 and whole.usage.output_tokens > 0
