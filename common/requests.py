@@ -26,6 +26,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 256
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI's own limit)
+MAX_CHOICES = 16  # choices one request may ask for (n)
 ROLES = ("system", "user", "assistant", "tool")
 # A request message must reach the runner: the gRPC limit, less room for the fields around the prompt.
 MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
@@ -85,6 +86,9 @@ def check_fields(
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 1.0,
     max_context: int = 0,
+    resume_ids=(),
+    resume_text: int = 0,
+    n: int = 0,
 ) -> None:
     """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs, or
     (role, content, name, tool_call_id, tool_calls) tuples (``common.tool_calls.check_history``);
@@ -148,6 +152,15 @@ def check_fields(
         raise InvalidRequest("repetition_penalty", "must lie in (0, 10] (1 turns it off)")
     if not 0 <= max_context <= INT32_MAX:
         raise InvalidRequest("max_context", "must be >= 0 (0: the model's own context)")
+    if not 0 <= n <= MAX_CHOICES:
+        raise InvalidRequest("n", f"must lie in [1, {MAX_CHOICES}]")
+    if len(resume_ids) or resume_text:
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in resume_ids):
+            raise InvalidRequest("resume_ids", f"token ids must lie in [0, {INT32_MAX}]")
+        if grammar or tools:
+            raise InvalidRequest("resume_ids", "an answer under a grammar or with tools cannot be resumed")
+        if not 0 <= resume_text:
+            raise InvalidRequest("resume_text", "must be >= 0")
     if tools or tool_choice or tool_name:
         _text("tools", tools)
         if check_tools(tools, tool_choice, tool_name, parallel_tool_calls).calls and grammar:
@@ -215,4 +228,7 @@ def fields_of(message) -> dict:
         frequency_penalty=message.frequency_penalty,
         repetition_penalty=message.repetition_penalty if message.HasField("repetition_penalty") else 1.0,
         max_context=message.max_context,
+        resume_ids=tuple(message.resume_ids),
+        resume_text=message.resume_text,
+        n=message.n,
     )

@@ -41,7 +41,7 @@ from .malloc import malloc_trim
 from .penalties import Penalties
 from .platform import auto_dtype, device_name
 from .prefill import PrefillPlanner
-from .prompt_cache import Hit, PromptCache
+from .prompt_cache import Hit, PromptCache, trimmed_copy
 from .release import ReleaseSchedule
 from .request import GenerationRequest, PreparedRequest, end_of_turn_ids, prepare
 from .results import Round
@@ -238,6 +238,15 @@ class Engine:
         self.total_releases += 1
         return Released(before, mx.get_cache_memory(), entries, evicted)
 
+    def share_prefill(self, session: Session) -> None:
+        """A copy of ``session``'s prefilled caches in the prompt cache, for the other choices of its request
+        (n > 1): they find its prompt there and prefill only its last token."""
+        tokens, caches = session.prefilled_state()
+        if tokens and self.prompt_cache.enabled:
+            self.prompt_cache.store(
+                list(tokens), [trimmed_copy(layers, len(tokens)) if layers else layers for layers in caches]
+            )
+
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Validate and tokenize a request once (raises InvalidRequest naming the field)."""
         if self.drafters.get(request.drafter):  # an unknown name is the request check's (prepare)
@@ -290,6 +299,7 @@ class Engine:
         penalties = (request.presence_penalty, request.frequency_penalty, request.repetition_penalty)
         if Penalties.wanted(*penalties):
             decoder.penalties = Penalties(self.vocab_size, prepared.prompt_ids, *penalties)
+            decoder.penalties.count(list(request.resume_ids))  # a resumed answer's tokens so far
         return decoder
 
     def _decoder(self, prepared: PreparedRequest, reuse: Hit) -> Decoder:

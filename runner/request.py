@@ -67,6 +67,9 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     max_context: int = 0  # > 0: the context this request may fill, below the model's (Ollama's num_ctx)
+    resume_ids: tuple[int, ...] = ()  # an answer another runner started: its tokens follow the prompt
+    resume_text: int = 0  # and this many characters of its text were sent already
+    n: int = 0  # choices (0: 1); runner.server decodes them together, one shared prefill
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,11 @@ def prepare(
         context_length = min(context_length, request.max_context)
     tools = check_tools(request.tools, request.tool_choice, request.tool_name, request.parallel_tool_calls)
     prompt_ids = prompt_ids_of(request, tokenizer, vocab_size, context_length, tools, tool_format)
+    if any(t >= vocab_size for t in request.resume_ids):
+        raise InvalidRequest("resume_ids", f"token ids must lie in [0, {vocab_size})")
+    prompt_ids = prompt_ids + list(request.resume_ids)  # a resumed answer goes on from its tokens
+    if request.resume_ids and request.max_tokens <= len(request.resume_ids):
+        raise InvalidRequest("resume_ids", "the answer has all its max_tokens already")
     if len(prompt_ids) >= context_length:
         raise InvalidRequest("prompt", f"{len(prompt_ids)} tokens do not fit the context of {context_length}")
     if not prompt_ids:
@@ -176,7 +184,7 @@ def prepare(
         prompt_ids=prompt_ids,
         params=SamplingParams(request.temperature, request.top_k, request.top_p, request.min_p),
         num_draft_tokens=k if can_draft else 0,
-        max_tokens=min(request.max_tokens, context_length - len(prompt_ids)),
+        max_tokens=min(request.max_tokens - len(request.resume_ids), context_length - len(prompt_ids)),
         seed=request.seed if request.seed is not None else secrets.randbits(63),
         eos_ids=eos_ids,
         logprobs=request.logprobs,

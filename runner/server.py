@@ -7,8 +7,10 @@ SERVING once the engine is ready.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import queue
 import threading
 import time
 from concurrent import futures
@@ -30,7 +32,7 @@ from common.tool_calls import ToolCallStream
 from . import platform
 from .engine import Engine
 from .loading import LoadedModel
-from .request import GenerationRequest
+from .request import GenerationRequest, PreparedRequest
 from .results import GenerationStats, Round
 from .worker import MlxWorker
 
@@ -153,7 +155,11 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
     def Generate(self, message, context):
         # Errors are raised, never aborted here: StatusInterceptor gives each its status.
         worker = self._ready()
-        prepared = self.engine.prepare(request_from_proto(message))  # checked and tokenized once, before it queues
+        request = request_from_proto(message)
+        prepared = self.engine.prepare(request)  # checked and tokenized once, before it queues
+        if request.n > 1:
+            yield from self._choices(worker, request, prepared, context)
+            return
         job = worker.submit(prepared)
         context.add_callback(job.cancel)  # client gone or deadline passed
         tools = ToolCallStream(prepared.tool_format) if prepared.tool_format else None
@@ -166,6 +172,61 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
                 yield chunk
         finally:
             job.cancel()
+
+    def _choices(self, worker: MlxWorker, request: GenerationRequest, first: PreparedRequest, context):
+        """n choices of one request: the first is decoded at once; once it is prefilled, a copy of its caches
+        goes to the prompt cache (``Engine.share_prefill``) and the others are submitted, each with its own
+        seed, so they prefill only the last token and decode as rows of the batch beside it. Their chunks
+        interleave, each naming its choice; an error in any ends the call."""
+        n = request.n
+        seeded = request.seed is not None
+        others = [
+            self.engine.prepare(dataclasses.replace(request, seed=(request.seed + i) % 2**63 if seeded else None))
+            for i in range(1, n)
+        ]
+        out: queue.Queue = queue.Queue()
+        jobs: list = []
+
+        def read(index: int, job) -> None:
+            try:
+                for round_ in job.results():
+                    out.put((index, round_))
+                out.put((index, None))
+            except BaseException as error:  # noqa: BLE001 - handed to the call
+                out.put((index, error))
+
+        def start(index: int, job) -> None:
+            jobs.append(job)
+            threading.Thread(target=read, args=(index, job), name=f"choice-{index}", daemon=True).start()
+
+        def share(leader) -> None:  # on the MLX thread, once the first choice is prefilled
+            self.engine.share_prefill(leader.session)
+            for index, prepared in enumerate(others, start=1):
+                try:
+                    start(index, worker.submit(prepared))
+                except Exception as error:  # noqa: BLE001 - a full queue: that choice fails the call
+                    out.put((index, error))
+
+        context.add_callback(lambda: [job.cancel() for job in list(jobs)])
+        start(0, worker.submit(first, on_prefilled=share))
+        tools = {i: ToolCallStream(first.tool_format) for i in range(n)} if first.tool_format else {}
+        ended, sent_first = 0, False
+        try:
+            while ended < n:
+                index, item = out.get()
+                if item is None:
+                    ended += 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                chunk = chunk_to_proto(item, tools.get(index))
+                chunk.choice = index
+                if not sent_first:
+                    chunk.prompt_tokens, sent_first = len(first.prompt_ids), True
+                yield chunk
+        finally:
+            for job in list(jobs):
+                job.cancel()
 
     def CountTokens(self, message, context):
         self._ready()

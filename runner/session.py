@@ -55,6 +55,8 @@ class Session:
         self._tokenizer = tokenizer
         self._keep = keep
         self.stopping = StoppingCriteria(tokenizer, prepared.eos_ids, prepared.request.stop, prepared.max_tokens)
+        if prepared.request.resume_ids:  # another runner's answer, going on
+            self.stopping.prime(prepared.request.resume_ids, prepared.request.resume_text)
         self.schedule = schedule
         self.stats = GenerationStats(
             prompt_tokens=len(prepared.prompt_ids), cached_tokens=cached_tokens, drafter=decoder.drafter_name
@@ -88,6 +90,12 @@ class Session:
             return None
         remaining = max(len(tokens) for _, _, tokens, _ in parts)
         return len(self.prepared.prompt_ids) - 1 - remaining, remaining
+
+    def prefilled_state(self) -> tuple[list[int], list]:
+        """Once prefilled: the prompt but its last token, and the caches that hold it (still its own: a caller
+        that keeps them copies them, ``runner.prompt_cache.trimmed_copy``)."""
+        assert self.prefilled and not self._in_batch, "not prefilled, or its cache is in a batch"
+        return self._decoder.cached_state()
 
     def prefill_parts(self) -> list[tuple]:
         """What each of its models still lacks of the prompt (``Decoder.prefill_parts``), for a shared pass."""

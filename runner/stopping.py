@@ -42,6 +42,10 @@ class StoppingCriteria:
             return Decision(True, delta, FinishReason.LENGTH)
         return Decision(True, delta, None)
 
+    def prime(self, tokens, sent: int) -> None:
+        """A resumed answer (``TextStream.prime``): its tokens so far, ``sent`` characters of their text sent."""
+        self.text.prime(tokens, sent)
+
     def finish(self) -> str:
         """The held-back tail of the text, once the generation is over."""
         return self.text.finish()

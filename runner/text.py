@@ -81,6 +81,13 @@ class TextStream:
         self._sent = 0
         self.stopped = False
 
+    def prime(self, tokens, sent: int) -> None:
+        """Go on from an answer another runner started: its ``tokens``, of whose text ``sent`` characters went
+        out already (the rest, held back then, may still go out)."""
+        for token in tokens:
+            self._decoder.add(token)
+        self._sent = min(sent, len(self._decoder.text))
+
     def add(self, token: int) -> str:
         """Add one token; returns the text that became final. Sets ``stopped``."""
         self._decoder.add(token)

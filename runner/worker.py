@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ class GenerationJob:
     rounds: queue.Queue = field(default_factory=queue.Queue)  # Round, an exception, or None at the end
     cancelled: threading.Event = field(default_factory=threading.Event)
     session: Session | None = None  # once admitted
+    on_prefilled: Callable[[GenerationJob], None] | None = None  # called once, on the MLX thread, after its prefill
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -87,8 +89,9 @@ class MlxWorker:
 
     # -- called from gRPC threads --------------------------------------------
 
-    def submit(self, request: PreparedRequest) -> GenerationJob:
-        job = GenerationJob(request)
+    def submit(self, request: PreparedRequest, on_prefilled=None) -> GenerationJob:
+        """Queue ``request``; ``on_prefilled(job)`` runs on the MLX thread once its prompt is in."""
+        job = GenerationJob(request, on_prefilled=on_prefilled)
         with self._lock:
             if self._stopping:
                 raise WorkerStopped(f"runner {self.name}: shutting down")
@@ -251,6 +254,10 @@ class MlxWorker:
             except EngineError as error:
                 for job in group:
                     self._fail(job, error)
+            for job in group:
+                if job.on_prefilled is not None and job.session.prefilled:
+                    hook, job.on_prefilled = job.on_prefilled, None
+                    hook(job)
             self.heartbeat = time.monotonic()
             self._run_controls()
 

@@ -4,9 +4,12 @@
 starts or restarts, within the request's deadline), forwards the request to
 its runner, streams the runner's chunks and records the metrics. When the
 runner dies under a request that has not streamed anything yet, the request
-waits for the restart and is sent again (at most ``MAX_RESENDS`` times);
-once a chunk has gone out, the client gets the failure instead, naming the
-model and the cause. Every failure is a ``ServiceError`` (``common.status``),
+waits for the restart and is sent again (at most ``MAX_RESENDS`` times).
+Once tokens have gone out, a plain-text answer is resumed once: the restarted
+runner gets the prompt plus the tokens sent (``resume_ids``) and goes on, so
+the client sees a pause, not an error, and greedy output is the uninterrupted
+one; a second death, or an answer under a grammar or with tools, gives the
+client the failure, naming the model and the cause. Every failure is a ``ServiceError`` (``common.status``),
 which each API turns into its own status.
 """
 
@@ -58,6 +61,9 @@ class Generation:
         self._cancelled = threading.Event()
         self._active = None  # (runner, call) while a runner call streams
         self.tokens = 0  # streamed so far
+        self.sent_ids: list[int] = []  # the answer's tokens streamed so far (a resume goes on from them)
+        self.sent_text = 0  # and the characters of its text
+        self.resumed = 0  # tokens a resumed runner was given as the answer so far (0: not resumed)
 
     def cancel(self) -> None:
         """The client went away: stop the runner's generation (it stops within one round).
@@ -90,7 +96,30 @@ class Generation:
     def _forwarded(self) -> runner_pb2.GenerateRequest:
         forwarded = runner_pb2.GenerateRequest.FromString(self.request.SerializeToString())
         forwarded.DiscardUnknownFields()  # the model field; all others share their numbers
+        if self.resumed:  # the answer so far, for the runner to go on from
+            del forwarded.resume_ids[:]
+            forwarded.resume_ids.extend(self.sent_ids)
+            forwarded.resume_text = self.sent_text
         return forwarded
+
+    @property
+    def resumable(self) -> bool:
+        """An answer under way that a restarted runner can go on with: plain text (no grammar, no tools), once."""
+        request = self.request
+        return (
+            not self.resumed and not request.grammar and not request.tools and not request.resume_ids and request.n <= 1
+        )
+
+    def _as_one_answer(self, chunk):
+        """A resumed runner's chunk as the one answer's: its usage counts the original prompt, and the tokens
+        the first runner gave are the answer's."""
+        if self.resumed:
+            if chunk.prompt_tokens:
+                chunk.prompt_tokens -= self.resumed
+            if chunk.HasField("stats"):
+                chunk.stats.prompt_tokens -= self.resumed
+                chunk.stats.generated_tokens += self.resumed
+        return chunk
 
     def _stream(self):
         try:
@@ -117,7 +146,10 @@ class Generation:
                         if first:
                             metrics.ttft.labels(self.model).observe(time.perf_counter() - started)
                             first = False
+                        chunk = self._as_one_answer(chunk)
                         self.tokens += len(chunk.token_ids)
+                        self.sent_ids += chunk.token_ids
+                        self.sent_text += len(chunk.text)
                         if chunk.HasField("stats"):
                             metrics.tokens.labels(self.model).inc(chunk.stats.generated_tokens)
                             metrics.acceptance.labels(self.model).set(chunk.stats.acceptance_rate)
@@ -139,6 +171,24 @@ class Generation:
                             self.model,
                             failure.message,
                         )
+                        self._wait_for_replacement(runner, pid)
+                        continue
+                    if (
+                        runner_went_away
+                        and self.tokens > 0
+                        and self.resumable
+                        and not self.sup.shutting_down.is_set()
+                        and (timeout is None or self.remaining() > 0)
+                    ):
+                        # Resume: the restarted runner goes on from the tokens sent (the client sees a pause).
+                        self.resumed = len(self.sent_ids)
+                        log.warning(
+                            "model %s: runner went away after %d tokens (%s); resuming the answer once it is back",
+                            self.model,
+                            self.resumed,
+                            failure.message,
+                        )
+                        self.sup.metrics.resumes.labels(self.model).inc()
                         self._wait_for_replacement(runner, pid)
                         continue
                     raise failure from None

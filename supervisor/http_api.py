@@ -270,8 +270,6 @@ class Sampling(Schema):
         """The shared fields as ``common.requests.check_fields`` and the message take them, OpenAI's defaults
         filled in."""
         refuse_not_honoured(self.model_extra)
-        if self.n != 1:
-            raise ServiceError(Code.INVALID_ARGUMENT, "n: only 1 choice per request is supported", "n")
         return {
             "max_tokens": MAX_TOKENS_UNSET if max_tokens is None else max_tokens,
             "temperature": 1.0 if self.temperature is None else float(self.temperature),  # OpenAI's default
@@ -280,6 +278,7 @@ class Sampling(Schema):
             "min_p": float(self.min_p or 0.0),
             "seed": self.seed,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
+            "n": self.n,  # choices: one shared prefill, rows of one batch (judged by check_fields)
             "num_draft_tokens": self.num_draft_tokens,
             "drafter": self.drafter or "",
             "grammar": grammar_of(
@@ -389,11 +388,13 @@ class CompletionRequest(Sampling):
 # -- responses -----------------------------------------------------------------------------------------
 
 
-def usage(stats: runner_pb2.GenerationStats) -> dict:
+def usage(stats: runner_pb2.GenerationStats, completion_tokens: int | None = None) -> dict:
+    """OpenAI's usage; ``completion_tokens``: of all the choices, when there are several."""
+    completion = stats.generated_tokens if completion_tokens is None else completion_tokens
     return {
         "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "completion_tokens": completion,
+        "total_tokens": stats.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
     }
 
@@ -435,81 +436,100 @@ def tool_call_delta(delta) -> dict:
 class Answer:
     """Builds the OpenAI objects of one answer (chat or text completion) from the runner's chunks."""
 
-    def __init__(self, kind: str, model: str, logprobs: bool):
+    def __init__(self, kind: str, model: str, logprobs: bool, n: int = 1):
         self.chat = kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.model = model
         self.logprobs = logprobs
-        self.text_length = 0
+        self.n = max(1, n)
+        self.text_length: dict[int, int] = {}  # per choice: its text so far (completion logprobs' offsets)
+        self.finals: dict[int, object] = {}  # per choice: its stats, once it ended
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, chunks: list) -> dict:
+    def _choice(self, index: int, chunks: list) -> dict:
         last = chunks[-1]
         text = "".join(c.text for c in chunks)
         entries = [e for c in chunks for e in c.logprobs]
-        choice: dict = {"index": 0, "finish_reason": FINISH_REASONS.get(last.finish_reason, "stop")}
+        choice: dict = {"index": index, "finish_reason": FINISH_REASONS.get(last.finish_reason, "stop")}
         if self.chat:
             calls = tool_calls([d for c in chunks for d in c.tool_calls])
             choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
             if calls:
                 choice["message"]["tool_calls"] = calls
             choice["logprobs"] = {"content": chat_logprobs(entries)} if self.logprobs else None
-            body = self._base("chat.completion")
         else:
             choice["text"] = text
             choice["logprobs"] = completion_logprobs(entries, 0) if self.logprobs else None
-            body = self._base("text_completion")
-        body["choices"] = [choice]
-        body["usage"] = usage(last.stats)
-        body["x_mlxserve"] = speculation(last.stats)
+        return choice
+
+    def whole(self, chunks: list) -> dict:
+        by_choice: dict[int, list] = {}
+        for chunk in chunks:
+            by_choice.setdefault(chunk.choice, []).append(chunk)
+        body = self._base("chat.completion" if self.chat else "text_completion")
+        body["choices"] = [self._choice(index, by_choice[index]) for index in sorted(by_choice)]
+        finals = [by_choice[index][-1].stats for index in sorted(by_choice)]
+        body["usage"] = usage(finals[0], sum(f.generated_tokens for f in finals))
+        body["x_mlxserve"] = speculation(finals[0])
         return body
 
     def first_event(self) -> dict | None:
-        """Chat streams open with the assistant's role."""
+        """Chat streams open with the assistant's role (for each choice)."""
         if not self.chat:
             return None
         return {
             **self._base("chat.completion.chunk"),
             "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(self.n)
             ],
         }
 
     def event(self, chunk) -> dict | None:
         finish = FINISH_REASONS.get(chunk.finish_reason) if chunk.finish_reason else None
+        if chunk.HasField("stats"):
+            self.finals[chunk.choice] = chunk.stats
         if not chunk.text and finish is None and not chunk.logprobs and not chunk.tool_calls:
             return None
+        index = chunk.choice
         if self.chat:
             delta = {"content": chunk.text} if chunk.text else {}
             if chunk.tool_calls:
                 delta["tool_calls"] = [tool_call_delta(d) for d in chunk.tool_calls]
             choice = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": {"content": chat_logprobs(chunk.logprobs)} if self.logprobs else None,
                 "finish_reason": finish,
             }
             body = self._base("chat.completion.chunk")
         else:
+            offset = self.text_length.get(index, 0)
             choice = {
-                "index": 0,
+                "index": index,
                 "text": chunk.text,
                 "finish_reason": finish,
-                "logprobs": completion_logprobs(chunk.logprobs, self.text_length) if self.logprobs else None,
+                "logprobs": completion_logprobs(chunk.logprobs, offset) if self.logprobs else None,
             }
             body = self._base("text_completion")
-        self.text_length += len(chunk.text)
+        self.text_length[index] = self.text_length.get(index, 0) + len(chunk.text)
         body["choices"] = [choice]
         if chunk.HasField("stats"):
             body["x_mlxserve"] = speculation(chunk.stats)
         return body
 
-    def usage_event(self, stats) -> dict:
+    @property
+    def all_ended(self) -> bool:
+        return len(self.finals) == self.n
+
+    def usage_event(self) -> dict:
+        """The usage of every choice, once all have ended."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._base(obj), "choices": [], "usage": usage(stats)}
+        finals = [self.finals[i] for i in sorted(self.finals)]
+        return {**self._base(obj), "choices": [], "usage": usage(finals[0], sum(f.generated_tokens for f in finals))}
 
 
 def sse(data: dict | str) -> str:
@@ -599,7 +619,7 @@ def create_app(supervisor) -> FastAPI:
     async def answer(request: Request, body, kind: str, logprobs: bool):
         proto = body.to_proto()
         generation = supervisor.generate(proto, timeout=None)
-        out = Answer(kind, body.model, logprobs)
+        out = Answer(kind, body.model, logprobs, body.n)
         try:
             if body.stream:
                 return await stream(
@@ -640,8 +660,8 @@ def create_app(supervisor) -> FastAPI:
                     event = out.event(chunk)
                     if event is not None:
                         yield sse(event)
-                    if chunk.HasField("stats") and include_usage:
-                        yield sse(out.usage_event(chunk.stats))
+                    if chunk.HasField("stats") and include_usage and out.all_ended:
+                        yield sse(out.usage_event())
                     chunk = await run_in_threadpool(next, chunks, None)
             except ServiceError as error:
                 yield sse(openai_error(error)[1])

@@ -57,6 +57,9 @@ class Metrics:
         self.serving = Gauge("mlxserve_runner_serving", "1 while the model's runner serves", ["model"], registry=r)
         self.requests = Counter("mlxserve_requests", "Generate requests by final status", ["model", "code"], registry=r)
         self.tokens = Counter("mlxserve_generated_tokens", "Tokens generated", ["model"], registry=r)
+        self.resumes = Counter(
+            "mlxserve_resumed_answers", "Answers resumed on a restarted runner after theirs died", ["model"], registry=r
+        )
         self.acceptance = Gauge(
             "mlxserve_acceptance_rate", "Draft acceptance of the last request", ["model"], registry=r
         )

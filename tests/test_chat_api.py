@@ -50,8 +50,9 @@ def grpc_chat(sup, model: str, messages, **fields):
 
 
 def test_grpc_chat_uses_the_chat_template_and_stops_at_the_end_of_the_turn(sup):
-    assert sup.client.model("smol").memory.prompt_cache.entries == 0  # the module's first request to smol
-    chunks = grpc_chat(sup, "smol", CAPITAL, max_tokens=60)
+    # A system message no earlier test sent (the supervisor is shared): nothing of it is in the prompt cache.
+    conversation = [{"role": "system", "content": f"Session {time.time_ns()}. You are a helpful assistant."}, *CAPITAL]
+    chunks = grpc_chat(sup, "smol", conversation, max_tokens=60)
     text = "".join(c.text for c in chunks)
     assert "Paris" in text and "<|im_end|>" not in text
     last = chunks[-1]
@@ -59,7 +60,7 @@ def test_grpc_chat_uses_the_chat_template_and_stops_at_the_end_of_the_turn(sup):
     assert last.stats.prompt_tokens > 20  # the template's system message and turn markers
     assert last.stats.cached_tokens == 0  # nothing was cached yet
     # The same conversation again: its whole prompt is cached but the last token, which must be run.
-    again = grpc_chat(sup, "smol", CAPITAL, max_tokens=60)
+    again = grpc_chat(sup, "smol", conversation, max_tokens=60)
     assert "".join(c.text for c in again) == text
     assert again[-1].stats.prompt_tokens == last.stats.prompt_tokens
     assert again[-1].stats.cached_tokens == last.stats.prompt_tokens - 1

@@ -4,6 +4,7 @@ Every test here is a case of docs/reliability.md (python -m tests.reliability_re
 a run of this module); its docstring's first line is the case, ``record_property`` adds the figures.
 """
 
+import concurrent.futures
 import math
 import os
 import signal
@@ -242,16 +243,58 @@ def test_runner_killed_during_prefill(pair):
     assert pair.client.model("one").restarts == 0  # the other model never noticed
 
 
-def test_runner_crash_like_segfault_mid_stream(pair):
-    """Runner dies of SIGSEGV mid-stream: the error names the signal; restart with backoff."""
+def test_a_runner_that_dies_mid_stream_is_resumed_and_the_answer_is_the_uninterrupted_one(pair):
+    """Runner dies of SIGSEGV mid-stream: the supervisor resumes the answer on the restarted runner (the prompt
+    plus the tokens sent), so the client sees a pause, and greedy output equals an uninterrupted run; usage
+    counts the one answer. A second death of the same request ends it with the cause."""
+    whole = list(pair.client.generate(timeout=120, model="one", prompt=PROMPT, max_tokens=300, ignore_eos=True))
     victim = pair.client.model("one")
+    call = pair.client.generate(timeout=120, model="one", prompt=PROMPT, max_tokens=300, ignore_eos=True)
+    chunks = [next(call)]
+    os.kill(victim.pid, signal.SIGSEGV)
+    code, rest = outcome(lambda: call)
+    chunks += rest
+    assert code == grpc.StatusCode.OK
+    assert [t for c in chunks for t in c.token_ids] == [t for c in whole for t in c.token_ids]
+    assert "".join(c.text for c in chunks) == "".join(c.text for c in whole)
+    assert chunks[-1].stats.generated_tokens == 300 and chunks[-1].stats.prompt_tokens == whole[-1].stats.prompt_tokens
+    assert "resuming the answer" in pair.stderr and "SIGSEGV" in pair.stderr
+    assert pair.client.model("one").restarts == victim.restarts + 1
+    # Killed twice: the second time the client is told, naming the model and the signal.
     call = pair.client.generate(timeout=120, model="one", prompt=PROMPT, max_tokens=4000, ignore_eos=True)
     next(call)
-    os.kill(victim.pid, signal.SIGSEGV)
+    os.kill(pair.client.model("one").pid, signal.SIGKILL)
+    next(call)  # resumed on the restarted runner
+    os.kill(pair.client.model("one").pid, signal.SIGSEGV)
     code, _ = outcome(lambda: call)
     assert code == grpc.StatusCode.UNAVAILABLE and "SIGSEGV" in call.details() and "one" in call.details()
     assert pair.client.wait_serving(60, service="one")
-    assert pair.client.model("one").restarts == victim.restarts + 1
+
+
+def test_a_runner_killed_under_16_clients_loses_no_request(pair, record_property):
+    """Runner SIGKILLed while 16 clients stream: every accepted request completes (resumed on the restarted
+    runner), each with all its tokens, greedy text equal to its uninterrupted run."""
+    prompts = [f"{PROMPT} number {i}" for i in range(16)]
+    alone = {
+        p: list(pair.client.generate(timeout=120, model="two", prompt=p, max_tokens=120, ignore_eos=True))
+        for p in prompts[:2]
+    }
+    victim = pair.client.model("two")
+    calls = [pair.client.generate(timeout=300, model="two", prompt=p, max_tokens=120, ignore_eos=True) for p in prompts]
+    firsts = [next(call) for call in calls]  # every one under way
+    os.kill(victim.pid, signal.SIGKILL)
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda call: outcome(lambda: call), calls))
+    codes = [code for code, _ in results]
+    record_property("completed", f"{codes.count(grpc.StatusCode.OK)} of {len(codes)}")
+    assert codes == [grpc.StatusCode.OK] * 16
+    for first, (_, rest), prompt in zip(firsts, results, prompts):
+        chunks = [first, *rest]
+        assert chunks[-1].stats.generated_tokens == 120 and sum(len(c.token_ids) for c in chunks) == 120
+        if prompt in alone:
+            assert "".join(c.text for c in chunks) == "".join(c.text for c in alone[prompt])
+    assert pair.client.model("two").restarts == victim.restarts + 1
 
 
 def test_runner_killed_before_ready(tmp_path):
@@ -483,19 +526,22 @@ def test_public_port_already_in_use(tmp_path):
 
 
 def test_runner_exit_code_1_mid_stream(tmp_path):
-    """Runner exits with code 1 mid-stream (a debug RPC stands in for a fatal error): the client is told, restart."""
+    """Runner exits with code 1 mid-stream (a debug RPC stands in for a fatal error): the answer is resumed
+    on the restarted runner; when that one exits too, the client is told."""
     from common.client import RunnerClient
     from common.protocol import runner_pb2
 
     sup = SupervisorProcess(tmp_path, model_toml("frail", debug_rpcs=True)).wait_ready()
     try:
         call = sup.client.generate(timeout=120, model="frail", prompt=PROMPT, max_tokens=4000, ignore_eos=True)
-        next(call)
-        with RunnerClient(f"unix://{sup.runtime_dir}/frail.sock") as runner:
-            runner.stub.DebugExit(runner_pb2.DebugExitRequest(code=1), timeout=5)
+        for _ in range(2):
+            next(call)
+            with RunnerClient(f"unix://{sup.runtime_dir}/frail.sock") as runner:
+                runner.stub.DebugExit(runner_pb2.DebugExitRequest(code=1), timeout=5)
         code, _ = outcome(lambda: call)
         assert code == grpc.StatusCode.UNAVAILABLE and "exited with code 1" in call.details()
+        assert "resuming the answer" in sup.stderr
         assert sup.client.wait_serving(60, service="frail")
-        assert sup.client.model("frail").restarts == 1
+        assert sup.client.model("frail").restarts == 2
     finally:
         assert sup.stop() == 0

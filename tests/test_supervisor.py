@@ -106,7 +106,9 @@ def test_a_prefill_longer_than_stall_after_is_not_a_hang(two_models):
     assert "hung" not in sup.stderr
 
 
-def test_runner_killed_mid_stream_gives_unavailable_and_is_restarted(two_models):
+def test_runner_killed_mid_stream_twice_gives_unavailable_and_is_restarted(two_models):
+    """The first death mid-stream is resumed on the restarted runner (test_reliability); the second ends the
+    request at once, the cause first."""
     sup = two_models
     victim = sup.client.model("alpha")
     health_seen = []
@@ -124,6 +126,8 @@ def test_runner_killed_mid_stream_gives_unavailable_and_is_restarted(two_models)
     call = sup.client.generate(timeout=120, model="alpha", prompt=PROMPT, max_tokens=4000, ignore_eos=True)
     next(call)
     os.kill(victim.pid, signal.SIGKILL)
+    next(call)  # resumed
+    os.kill(sup.client.model("alpha").pid, signal.SIGKILL)
     killed_at = time.monotonic()
     with pytest.raises(grpc.RpcError) as caught:
         for _ in call:
@@ -139,7 +143,7 @@ def test_runner_killed_mid_stream_gives_unavailable_and_is_restarted(two_models)
     assert SERVING in health_seen and health_pb2.HealthCheckResponse.NOT_SERVING in health_seen
     assert health_seen.index(health_pb2.HealthCheckResponse.NOT_SERVING) < len(health_seen) - 1
     restarted = sup.client.model("alpha")
-    assert restarted.pid != victim.pid and restarted.restarts == victim.restarts + 1
+    assert restarted.pid != victim.pid and restarted.restarts == victim.restarts + 2
     assert generate(sup, model="alpha", prompt="x", max_tokens=5, ignore_eos=True)[1].stats.generated_tokens == 5
     assert sup.client.model("beta").restarts == 0
 
