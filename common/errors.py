@@ -31,6 +31,11 @@ class QueueFull(EngineError):
     """No room for another waiting request. Maps to RESOURCE_EXHAUSTED."""
 
 
+class ClientTooSlow(EngineError):
+    """A request's client read its answer so slowly that too many rounds waited for it: the request was stopped
+    to bound the memory it held. Maps to RESOURCE_EXHAUSTED."""
+
+
 class WorkerStopped(EngineError):
     """The runner is shutting down and takes no more work. Maps to UNAVAILABLE."""
 

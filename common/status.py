@@ -13,7 +13,7 @@ import logging
 
 import grpc
 
-from .errors import EngineError, InvalidRequest, ModelLoadError, NotReady, QueueFull, WorkerStopped
+from .errors import ClientTooSlow, EngineError, InvalidRequest, ModelLoadError, NotReady, QueueFull, WorkerStopped
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def status_of(error: BaseException) -> ServiceError:
         return error
     if isinstance(error, InvalidRequest):
         return ServiceError(Code.INVALID_ARGUMENT, str(error), error.field)
-    if isinstance(error, QueueFull):
+    if isinstance(error, (QueueFull, ClientTooSlow)):
         return ServiceError(Code.RESOURCE_EXHAUSTED, str(error))
     if isinstance(error, (WorkerStopped, NotReady)):
         return ServiceError(Code.UNAVAILABLE, str(error))

@@ -67,7 +67,9 @@ class Session:
         self.prefilled = False
         self.finish_reason: FinishReason | None = None
         self.final = None  # the final Round, once there is one
-        self.error: ConstraintBroken | None = None  # its grammar could not go on: it ends with this error
+        # It ends with this error: its grammar could not go on (ConstraintBroken), or its client read too slowly
+        # (common.errors.ClientTooSlow, from runner.worker).
+        self.error: Exception | None = None
         self._in_batch = False  # its cache lives in a Batch
 
     # -- prefill ------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from common.errors import EngineError, QueueFull, WorkerStopped
+from common.errors import ClientTooSlow, EngineError, QueueFull, WorkerStopped
 
 from .batch import Batch, prefill_jointly
 from .batch_memory import BatchMemory
@@ -40,6 +40,10 @@ from .results import Round
 from .session import Session
 
 log = logging.getLogger("runner")
+
+# Rounds a request's answer may hold waiting for its client (one to ~17 tokens each, ~1 KB): past it the client
+# reads too slowly, and the request ends rather than hold its row and a growing queue (issue #22's back-pressure).
+MAX_PENDING_ROUNDS = 1024
 
 
 @dataclass
@@ -65,10 +69,19 @@ class GenerationJob:
 
 
 class MlxWorker:
-    def __init__(self, engine: Engine, max_queue: int, on_fatal=None, name: str = "runner", max_batch: int = 1):
+    def __init__(
+        self,
+        engine: Engine,
+        max_queue: int,
+        on_fatal=None,
+        name: str = "runner",
+        max_batch: int = 1,
+        max_pending_rounds: int = MAX_PENDING_ROUNDS,
+    ):
         self.engine = engine
         self.max_queue = max_queue
         self.max_batch = max(1, max_batch)
+        self.max_pending_rounds = max_pending_rounds
         self.name = name
         self._on_fatal = on_fatal or (lambda error: None)
         self._lock = threading.Condition()
@@ -294,11 +307,20 @@ class MlxWorker:
         self._deliver_all([(job, round_)])
 
     def _deliver_all(self, delivered: list[tuple[GenerationJob, Round]]) -> None:
-        """Each round to its job; the requests that ended with theirs end together (``_end``)."""
+        """Each round to its job; the requests that ended with theirs end together (``_end``). A request whose
+        client has let ``max_pending_rounds`` rounds wait ends with ClientTooSlow: its row goes to others, and
+        what it holds stays bounded (the rounds already there are still read first)."""
         ended = [(job, round_) for job, round_ in delivered if job.session.done]
         for job, round_ in delivered:
             if not job.session.done:
                 job.rounds.put(round_)
+                if job.rounds.qsize() > self.max_pending_rounds:
+                    job.session.error = ClientTooSlow(
+                        f"the client reads too slowly: {self.max_pending_rounds} rounds were waiting for it, so "
+                        f"the generation was stopped after {job.session.stats.generated_tokens} tokens"
+                    )
+                    job.session.cancel()
+                    ended.append((job, None))
         if ended:
             self._end(ended)
 

@@ -339,3 +339,27 @@ def test_the_pool_stays_bounded_over_a_long_batched_generation(restore_cache_lim
     print(f"pool peak with release {peaks[True] / 2**20:.1f} MB, without {peaks[False] / 2**20:.1f} MB")
     assert peaks[True] < 3 * batch_cache + 16 * 2**20
     assert peaks[False] > 2 * peaks[True]
+
+
+def test_a_client_that_does_not_read_is_stopped_and_the_others_keep_going(engine):
+    """Back-pressure: rounds waiting for a client that does not read are bounded; past the bound its request
+    ends with ClientTooSlow (RESOURCE_EXHAUSTED), after the rounds already there, and its row goes to others."""
+    from common.errors import ClientTooSlow
+
+    worker = MlxWorker(engine, max_queue=8, max_batch=4, max_pending_rounds=8)
+    worker.start()
+    try:
+        fields = {"prompt": PROMPTS[0], "max_tokens": 120, "ignore_eos": True, "cache_prompt": False}
+        stalled = worker.submit(engine.prepare(GenerationRequest(**fields)))
+        reader = worker.submit(engine.prepare(GenerationRequest(**fields, drafter="none")))
+        tokens = [t for r in reader.results() for t in r.token_ids]  # read as it comes: all of it
+        assert len(tokens) == 120
+        got = []
+        with pytest.raises(ClientTooSlow, match="reads too slowly"):
+            for round_ in stalled.results():
+                got.append(round_)
+        assert 8 <= len(got) <= 9 and stalled.rounds.get_nowait() is None  # then only its end
+        assert worker.active == 0
+    finally:
+        worker.stop(cancel_running=True)
+        worker.join(10)
