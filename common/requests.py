@@ -89,6 +89,7 @@ def check_fields(
     resume_ids=(),
     resume_text: int = 0,
     n: int = 0,
+    prompt_logprobs: bool = False,
 ) -> None:
     """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs, or
     (role, content, name, tool_call_id, tool_calls) tuples (``common.tool_calls.check_history``);
@@ -231,4 +232,5 @@ def fields_of(message) -> dict:
         resume_ids=tuple(message.resume_ids),
         resume_text=message.resume_text,
         n=message.n,
+        prompt_logprobs=message.prompt_logprobs,
     )

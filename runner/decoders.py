@@ -76,6 +76,8 @@ class Decoder:
         self.stop_ids: frozenset[int] = frozenset()  # tokens that end the request: never forced ahead
         self.bias: mx.array | None = None  # added to every row the request chooses from (logit_bias)
         self.penalties: Penalties | None = None  # presence, frequency and repetition penalties (runner.penalties)
+        # score(logits, tokens): the prompt's positions as the target prefills them (prompt logprobs), or None
+        self.score_prompt = None
 
     # -- prefill --------------------------------------------------------------------------------------
 
@@ -107,8 +109,12 @@ class Decoder:
         started = time.perf_counter()
         for model, cache, held, advance in list(self._prefill_models()):
             if held < offset + size:
-                model(mx.array(context[max(held, offset) : offset + size])[None], cache=cache)
+                start = max(held, offset)
+                logits = model(mx.array(context[start : offset + size])[None], cache=cache)
                 mx.eval([c.state for c in cache])
+                if self.score_prompt is not None and model is self.model:
+                    # Row j scores the token after position start + j (the last row: the next chunk's first).
+                    self.score_prompt(logits[0], self.prompt_ids[start + 1 : offset + size + 1])
                 advance(offset + size)
         mx.clear_cache()
         planner.record(offset, size, time.perf_counter() - started)

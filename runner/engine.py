@@ -44,7 +44,7 @@ from .prefill import PrefillPlanner
 from .prompt_cache import Hit, PromptCache, trimmed_copy
 from .release import ReleaseSchedule
 from .request import GenerationRequest, PreparedRequest, end_of_turn_ids, prepare
-from .results import Round
+from .results import Round, token_logprobs
 from .session import Session
 
 log = logging.getLogger("runner")
@@ -296,6 +296,13 @@ class Engine:
         decoder.stop_ids = prepared.eos_ids
         decoder.set_logit_bias(prepared.request.logit_bias, self.vocab_size)
         request = prepared.request
+        if request.prompt_logprobs:
+            decoder.prompt_scores = []
+
+            def score(logits, tokens, decoder=decoder):
+                decoder.prompt_scores += token_logprobs(self.tokenizer, logits, tokens, prepared.top_logprobs)
+
+            decoder.score_prompt = score
         penalties = (request.presence_penalty, request.frequency_penalty, request.repetition_penalty)
         if Penalties.wanted(*penalties):
             decoder.penalties = Penalties(self.vocab_size, prepared.prompt_ids, *penalties)

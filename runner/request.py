@@ -70,6 +70,7 @@ class GenerationRequest:
     resume_ids: tuple[int, ...] = ()  # an answer another runner started: its tokens follow the prompt
     resume_text: int = 0  # and this many characters of its text were sent already
     n: int = 0  # choices (0: 1); runner.server decodes them together, one shared prefill
+    prompt_logprobs: bool = False  # score the prompt's tokens (its whole prefill, no prompt-cache reuse)
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ def prepare(
         eos_ids=eos_ids,
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
-        cache_prompt=request.cache_prompt,
+        cache_prompt=request.cache_prompt and not request.prompt_logprobs,  # every prompt position is scored
         constraint=constraint,
         tool_format=tool_format if tools.calls else "",
     )

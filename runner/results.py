@@ -71,6 +71,7 @@ class Round:
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asks
     stop_sequence: str = ""  # the last round: the stop string that ended it, if one did
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the first round, when asked
 
 
 def token_logprobs(tokenizer, logits: mx.array, tokens: list[int], top: int) -> list[TokenLogprob]:

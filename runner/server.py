@@ -83,13 +83,14 @@ def chunk_to_proto(r: Round, tools: ToolCallStream | None = None) -> runner_pb2.
     chunk = runner_pb2.GenerateChunk(text=text, token_ids=r.token_ids, drafted=r.drafted, accepted=r.accepted)
     for delta in deltas:
         chunk.tool_calls.add(index=delta.index, id=delta.id, name=delta.name, arguments=delta.arguments)
-    for entry in r.logprobs:
-        chunk.logprobs.add(
-            token_id=entry.token,
-            token=entry.text,
-            logprob=entry.logprob,
-            top=[runner_pb2.TopLogprob(token_id=t, token=text, logprob=v) for t, text, v in entry.top],
-        )
+    for entries, field in ((r.logprobs, chunk.logprobs), (r.prompt_logprobs, chunk.prompt_logprobs)):
+        for entry in entries:
+            field.add(
+                token_id=entry.token,
+                token=entry.text,
+                logprob=entry.logprob,
+                top=[runner_pb2.TopLogprob(token_id=t, token=text, logprob=v) for t, text, v in entry.top],
+            )
     if r.finish_reason is not None:
         chunk.finish_reason = r.finish_reason
         chunk.stop_sequence = r.stop_sequence

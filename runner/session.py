@@ -32,7 +32,7 @@ from .decoders import Decoder
 from .prefill import PrefillPlanner
 from .release import ReleaseSchedule
 from .request import PreparedRequest
-from .results import GenerationStats, Round, token_logprobs
+from .results import GenerationStats, Round, TokenLogprob, token_logprobs
 from .stopping import StoppingCriteria
 
 
@@ -85,7 +85,7 @@ class Session:
     def joint_prefill(self) -> tuple[int, int] | None:
         """(tokens cached, tokens to prefill) when what its prompt still lacks may share a batched pass with
         other requests' (``runner.prefill.joint_groups``): every cache of plain KV layers; else None."""
-        if self.prefilled:
+        if self.prefilled or self._decoder.score_prompt is not None:  # scored prompts prefill alone
             return None
         parts = self._decoder.prefill_parts()
         if not parts or not all(type(layer) is KVCache for _, cache, _, _ in parts for layer in cache):
@@ -225,11 +225,21 @@ class Session:
         stats.rounds += 1
         stats.drafted += drafted
         stats.accepted += accepted
+        prompt_scores = []
         if stats.rounds == 1:
             stats.time_to_first_token = time.perf_counter() - self.start
+            prompt_scores = self.scored_prompt()
         if not self._in_batch:  # a batch releases for all its rows (runner.batch)
             self.schedule.after_round(before, stats.generated_tokens)
-        return Round(emitted, delta, drafted, accepted, logprobs=logprobs)
+        return Round(emitted, delta, drafted, accepted, logprobs=logprobs, prompt_logprobs=prompt_scores)
+
+    def scored_prompt(self) -> list:
+        """The prompt's tokens with their log-probabilities, when asked (the first has none: 0 here)."""
+        scores = getattr(self._decoder, "prompt_scores", None)
+        if scores is None:
+            return []
+        first = self.prepared.prompt_ids[0]
+        return [TokenLogprob(first, self._tokenizer.decode([first]), 0.0), *scores]
 
     def cancel(self) -> None:
         if self.finish_reason is None:

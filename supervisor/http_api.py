@@ -366,8 +366,6 @@ class CompletionRequest(Sampling):
     suffix: StrictStr | None = None
 
     def to_proto(self) -> supervisor_pb2.GenerateRequest:
-        if self.echo:
-            raise ServiceError(Code.INVALID_ARGUMENT, "echo: not supported", "echo")
         if self.suffix:
             raise ServiceError(Code.INVALID_ARGUMENT, "suffix: not supported", "suffix")
         fields = self.sampling_fields(16 if self.max_tokens is None else self.max_tokens)  # OpenAI's default
@@ -382,7 +380,17 @@ class CompletionRequest(Sampling):
             fields["prompt_ids"] = list(prompt)
         if self.logprobs is not None:
             fields.update(logprobs=True, top_logprobs=self.logprobs)
+        if self.echo and (self.logprobs is not None or "prompt_ids" in fields):
+            fields["prompt_logprobs"] = True  # the prompt's tokens, scored (and their text, for a token prompt)
         return self.build(fields)
+
+    def echoed(self) -> str | None:
+        """The prompt's text to put before the answer (echo), when it is known here; None otherwise (the runner
+        gives its tokens, ``prompt_logprobs``)."""
+        if not self.echo or self.logprobs is not None:
+            return None
+        prompt = self.prompt
+        return prompt if isinstance(prompt, str) else prompt[0] if prompt and isinstance(prompt[0], str) else None
 
 
 # -- responses -----------------------------------------------------------------------------------------
@@ -413,12 +421,15 @@ def chat_logprobs(entries) -> list[dict]:
     ]
 
 
-def completion_logprobs(entries, offset: int) -> dict:
+def completion_logprobs(entries, offset: int, prompt=()) -> dict:
+    """The legacy completions' logprobs; ``prompt``: the prompt's scored tokens first (echo), the first of
+    them with no logprob (null), as OpenAI gives it."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for e in entries:
+    for index, e in enumerate([*prompt, *entries]):
+        unscored = index == 0 and bool(prompt)
         tokens.append(e.token)
-        token_logprobs.append(e.logprob)
-        top.append({t.token: t.logprob for t in e.top})
+        token_logprobs.append(None if unscored else e.logprob)
+        top.append(None if unscored else {t.token: t.logprob for t in e.top})
         offsets.append(offset)
         offset += len(e.token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -436,7 +447,7 @@ def tool_call_delta(delta) -> dict:
 class Answer:
     """Builds the OpenAI objects of one answer (chat or text completion) from the runner's chunks."""
 
-    def __init__(self, kind: str, model: str, logprobs: bool, n: int = 1):
+    def __init__(self, kind: str, model: str, logprobs: bool, n: int = 1, echo: bool = False, echoed=None):
         self.chat = kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
@@ -445,6 +456,9 @@ class Answer:
         self.n = max(1, n)
         self.text_length: dict[int, int] = {}  # per choice: its text so far (completion logprobs' offsets)
         self.finals: dict[int, object] = {}  # per choice: its stats, once it ended
+        self.echo = echo  # completions: the prompt before each answer
+        self.echoed = echoed  # its text when known here, else from the runner's scored prompt tokens
+        self.opened: set[int] = set()  # choices whose first chunk went out
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -461,9 +475,16 @@ class Answer:
                 choice["message"]["tool_calls"] = calls
             choice["logprobs"] = {"content": chat_logprobs(entries)} if self.logprobs else None
         else:
-            choice["text"] = text
-            choice["logprobs"] = completion_logprobs(entries, 0) if self.logprobs else None
+            prompt = [e for c in chunks for e in c.prompt_logprobs] if self.echo else []
+            choice["text"] = self._echo(chunks[0]) + text
+            choice["logprobs"] = completion_logprobs(entries, 0, prompt) if self.logprobs else None
         return choice
+
+    def _echo(self, first) -> str:
+        """The prompt's text to put before a choice's answer (echo); "" without echo."""
+        if not self.echo:
+            return ""
+        return self.echoed if self.echoed is not None else "".join(e.token for e in first.prompt_logprobs)
 
     def whole(self, chunks: list) -> dict:
         by_choice: dict[int, list] = {}
@@ -492,7 +513,8 @@ class Answer:
         finish = FINISH_REASONS.get(chunk.finish_reason) if chunk.finish_reason else None
         if chunk.HasField("stats"):
             self.finals[chunk.choice] = chunk.stats
-        if not chunk.text and finish is None and not chunk.logprobs and not chunk.tool_calls:
+        opening = self.echo and chunk.choice not in self.opened  # its echo goes out with its first chunk
+        if not chunk.text and finish is None and not chunk.logprobs and not chunk.tool_calls and not opening:
             return None
         index = chunk.choice
         if self.chat:
@@ -508,13 +530,18 @@ class Answer:
             body = self._base("chat.completion.chunk")
         else:
             offset = self.text_length.get(index, 0)
+            first = index not in self.opened
+            self.opened.add(index)
+            prefix = self._echo(chunk) if first else ""
+            prompt = list(chunk.prompt_logprobs) if first and self.echo else []
             choice = {
                 "index": index,
-                "text": chunk.text,
+                "text": prefix + chunk.text,
                 "finish_reason": finish,
-                "logprobs": completion_logprobs(chunk.logprobs, offset) if self.logprobs else None,
+                "logprobs": completion_logprobs(chunk.logprobs, offset, prompt) if self.logprobs else None,
             }
             body = self._base("text_completion")
+            self.text_length[index] = offset + len(prefix)
         self.text_length[index] = self.text_length.get(index, 0) + len(chunk.text)
         body["choices"] = [choice]
         if chunk.HasField("stats"):
@@ -619,7 +646,8 @@ def create_app(supervisor) -> FastAPI:
     async def answer(request: Request, body, kind: str, logprobs: bool):
         proto = body.to_proto()
         generation = supervisor.generate(proto, timeout=None)
-        out = Answer(kind, body.model, logprobs, body.n)
+        echo = kind == "text" and body.echo
+        out = Answer(kind, body.model, logprobs, body.n, echo, body.echoed() if echo else None)
         try:
             if body.stream:
                 return await stream(

@@ -61,3 +61,30 @@ def test_too_many_choices_is_a_400(chat_client):
     with pytest.raises(openai.BadRequestError) as caught:
         chat_client.completions.create(model="pair", prompt=PROMPT, max_tokens=4, n=17)
     assert caught.value.body["param"] == "n"
+
+
+def test_echo_puts_the_prompt_before_the_answer_with_its_tokens_logprobs(chat_client):
+    fields = {"model": "pair", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = chat_client.completions.create(**fields).choices[0].text
+    echoed = chat_client.completions.create(echo=True, **fields).choices[0]
+    assert echoed.text == PROMPT + plain
+    scored = chat_client.completions.create(echo=True, logprobs=2, **fields).choices[0]
+    lp = scored.logprobs
+    assert "".join(lp.tokens) == scored.text and scored.text.endswith(plain)
+    prompt_tokens = len(lp.tokens) - 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first token has no context
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # The answer's own logprobs are those it gets without echo.
+    alone = chat_client.completions.create(logprobs=2, **fields).choices[0].logprobs
+    assert lp.tokens[prompt_tokens:] == alone.tokens
+    assert lp.token_logprobs[prompt_tokens:] == pytest.approx(alone.token_logprobs, abs=1e-4)
+    # Streamed: the prompt comes with the first chunk.
+    streamed = "".join(c.choices[0].text for c in chat_client.completions.create(echo=True, stream=True, **fields))
+    assert streamed == echoed.text
+
+
+def test_logprobs_zero_gives_the_chosen_tokens_logprob_alone(chat_client):
+    answer = chat_client.completions.create(model="pair", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
+    lp = answer.choices[0].logprobs
+    assert len(lp.tokens) == 4 and all(v <= 0 for v in lp.token_logprobs) and all(t == {} for t in lp.top_logprobs)

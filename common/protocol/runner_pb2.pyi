@@ -45,7 +45,7 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "num_draft_tokens", "request_id", "ignore_eos", "messages", "chat_template_kwargs", "logprobs", "top_logprobs", "drafter", "grammar", "logit_bias", "tools", "tool_choice", "tool_name", "parallel_tool_calls", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_context", "resume_ids", "resume_text", "n")
+    __slots__ = ("prompt", "prompt_ids", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "num_draft_tokens", "request_id", "ignore_eos", "messages", "chat_template_kwargs", "logprobs", "top_logprobs", "drafter", "grammar", "logit_bias", "tools", "tool_choice", "tool_name", "parallel_tool_calls", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_context", "resume_ids", "resume_text", "n", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class GenerateRequest(_message.Message):
     RESUME_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TEXT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -113,7 +114,8 @@ class GenerateRequest(_message.Message):
     resume_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_text: int
     n: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ..., grammar: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_context: _Optional[int] = ..., resume_ids: _Optional[_Iterable[int]] = ..., resume_text: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ..., grammar: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_context: _Optional[int] = ..., resume_ids: _Optional[_Iterable[int]] = ..., resume_text: _Optional[int] = ..., n: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted", "accepted", "acceptance_rate", "tokens_per_round", "time_to_first_token_s", "prefill_s", "decode_s", "tokens_per_second", "releases", "release_positions", "active_memory", "cache_memory", "peak_memory", "prefill_chunks", "cached_tokens", "drafter", "depths", "forced")
@@ -191,7 +193,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "drafted", "accepted", "finish_reason", "stats", "logprobs", "tool_calls", "stop_sequence", "prompt_tokens", "choice")
+    __slots__ = ("text", "token_ids", "drafted", "accepted", "finish_reason", "stats", "logprobs", "tool_calls", "stop_sequence", "prompt_tokens", "choice", "prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +205,7 @@ class GenerateChunk(_message.Message):
     STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     drafted: int
@@ -214,7 +217,8 @@ class GenerateChunk(_message.Message):
     stop_sequence: str
     prompt_tokens: int
     choice: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., stop_sequence: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., choice: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., stop_sequence: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., choice: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
     __slots__ = ("index", "id", "name", "arguments")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from common.protocol import runner_pb2 as common_dot_protocol_dot_runner__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$supervisor/protocol/supervisor.proto\x12\x0bmlxserve.v1\x1a\x1c\x63ommon/protocol/runner.proto\"\xe4\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x31\n\x08messages\x18\r \x03(\x0b\x32\x1f.mlxserve.runner.v1.ChatMessage\x12\x1c\n\x14\x63hat_template_kwargs\x18\x0e \x01(\t\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\x05\x12\x0f\n\x07\x64rafter\x18\x11 \x01(\t\x12\x0f\n\x07grammar\x18\x12 \x01(\t\x12?\n\nlogit_bias\x18\x13 \x03(\x0b\x32+.mlxserve.v1.GenerateRequest.LogitBiasEntry\x12\r\n\x05tools\x18\x14 \x01(\t\x12\x13\n\x0btool_choice\x18\x15 \x01(\t\x12\x11\n\ttool_name\x18\x16 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x17 \x01(\x08H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x18 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x19 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x1a \x01(\x02H\x04\x88\x01\x01\x12\x13\n\x0bmax_context\x18\x1b \x01(\x05\x12\x12\n\nresume_ids\x18\x1c \x03(\x05\x12\x13\n\x0bresume_text\x18\x1d \x01(\x05\x12\t\n\x01n\x18\x1e \x01(\x05\x12\r\n\x05model\x18\x64 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_num_draft_tokensB\x16\n\x14_parallel_tool_callsB\x15\n\x13_repetition_penalty\"\xd4\x02\n\x0cMemorySample\x12\x0b\n\x03rss\x18\x01 \x01(\x03\x12\x11\n\tanonymous\x18\x02 \x01(\x03\x12\x0b\n\x03pss\x18\x03 \x01(\x03\x12\x0b\n\x03uss\x18\x04 \x01(\x03\x12\x10\n\x08peak_rss\x18\x05 \x01(\x03\x12\x1a\n\x12growth_bytes_per_s\x18\x06 \x01(\x01\x12\x12\n\nmlx_active\x18\x07 \x01(\x03\x12\x11\n\tmlx_cache\x18\x08 \x01(\x03\x12\x10\n\x08mlx_peak\x18\t \x01(\x03\x12\x14\n\x0cmlx_releases\x18\n \x01(\x03\x12\x12\n\nsoft_limit\x18\x0b \x01(\x03\x12\x12\n\nhard_limit\x18\x0c \x01(\x03\x12\x17\n\x0fhistory_samples\x18\r \x01(\x05\x12\x10\n\x08\x65stimate\x18\x0e \x01(\x03\x12:\n\x0cprompt_cache\x18\x0f \x01(\x0b\x32$.mlxserve.runner.v1.PromptCacheStats\"\xe9\x01\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.mlxserve.v1.RunnerState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x10\n\x08restarts\x18\x05 \x01(\x05\x12\x17\n\x0flast_used_s_ago\x18\x06 \x01(\x01\x12)\n\x06memory\x18\x07 \x01(\x0b\x32\x19.mlxserve.v1.MemorySample\x12\x0e\n\x06target\x18\x08 \x01(\t\x12\r\n\x05\x64raft\x18\t \x01(\t\x12\x11\n\tin_flight\x18\n \x01(\x05\"\x13\n\x11ListModelsRequest\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\"!\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"!\n\x10GetMemoryRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x85\x01\n\x11GetMemoryResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\x12\x18\n\x10system_available\x18\x02 \x01(\x03\x12\x14\n\x0csystem_total\x18\x03 \x01(\x03\x12\x16\n\x0esupervisor_rss\x18\x04 \x01(\x03\"\x12\n\x10GetStatusRequest\"\x90\x01\n\x11GetStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\r\n\x05ready\x18\x04 \x01(\x08\x12(\n\x06models\x18\x05 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\x12\x12\n\nmax_loaded\x18\x06 \x01(\x05*\xc8\x01\n\x0bRunnerState\x12\x1c\n\x18RUNNER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14RUNNER_STATE_STOPPED\x10\x01\x12\x19\n\x15RUNNER_STATE_STARTING\x10\x02\x12\x18\n\x14RUNNER_STATE_SERVING\x10\x03\x12\x19\n\x15RUNNER_STATE_DRAINING\x10\x04\x12\x18\n\x14RUNNER_STATE_BACKOFF\x10\x05\x12\x17\n\x13RUNNER_STATE_FAILED\x10\x06\x32\xd2\x03\n\nSupervisor\x12M\n\x08Generate\x12\x1c.mlxserve.v1.GenerateRequest\x1a!.mlxserve.runner.v1.GenerateChunk0\x01\x12M\n\nListModels\x12\x1e.mlxserve.v1.ListModelsRequest\x1a\x1f.mlxserve.v1.ListModelsResponse\x12\x44\n\tLoadModel\x12\x1d.mlxserve.v1.LoadModelRequest\x1a\x18.mlxserve.v1.ModelStatus\x12H\n\x0bUnloadModel\x12\x1f.mlxserve.v1.UnloadModelRequest\x1a\x18.mlxserve.v1.ModelStatus\x12J\n\tGetMemory\x12\x1d.mlxserve.v1.GetMemoryRequest\x1a\x1e.mlxserve.v1.GetMemoryResponse\x12J\n\tGetStatus\x12\x1d.mlxserve.v1.GetStatusRequest\x1a\x1e.mlxserve.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$supervisor/protocol/supervisor.proto\x12\x0bmlxserve.v1\x1a\x1c\x63ommon/protocol/runner.proto\"\xfd\x06\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x31\n\x08messages\x18\r \x03(\x0b\x32\x1f.mlxserve.runner.v1.ChatMessage\x12\x1c\n\x14\x63hat_template_kwargs\x18\x0e \x01(\t\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\x05\x12\x0f\n\x07\x64rafter\x18\x11 \x01(\t\x12\x0f\n\x07grammar\x18\x12 \x01(\t\x12?\n\nlogit_bias\x18\x13 \x03(\x0b\x32+.mlxserve.v1.GenerateRequest.LogitBiasEntry\x12\r\n\x05tools\x18\x14 \x01(\t\x12\x13\n\x0btool_choice\x18\x15 \x01(\t\x12\x11\n\ttool_name\x18\x16 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x17 \x01(\x08H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x18 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x19 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x1a \x01(\x02H\x04\x88\x01\x01\x12\x13\n\x0bmax_context\x18\x1b \x01(\x05\x12\x12\n\nresume_ids\x18\x1c \x03(\x05\x12\x13\n\x0bresume_text\x18\x1d \x01(\x05\x12\t\n\x01n\x18\x1e \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x1f \x01(\x08\x12\r\n\x05model\x18\x64 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_num_draft_tokensB\x16\n\x14_parallel_tool_callsB\x15\n\x13_repetition_penalty\"\xd4\x02\n\x0cMemorySample\x12\x0b\n\x03rss\x18\x01 \x01(\x03\x12\x11\n\tanonymous\x18\x02 \x01(\x03\x12\x0b\n\x03pss\x18\x03 \x01(\x03\x12\x0b\n\x03uss\x18\x04 \x01(\x03\x12\x10\n\x08peak_rss\x18\x05 \x01(\x03\x12\x1a\n\x12growth_bytes_per_s\x18\x06 \x01(\x01\x12\x12\n\nmlx_active\x18\x07 \x01(\x03\x12\x11\n\tmlx_cache\x18\x08 \x01(\x03\x12\x10\n\x08mlx_peak\x18\t \x01(\x03\x12\x14\n\x0cmlx_releases\x18\n \x01(\x03\x12\x12\n\nsoft_limit\x18\x0b \x01(\x03\x12\x12\n\nhard_limit\x18\x0c \x01(\x03\x12\x17\n\x0fhistory_samples\x18\r \x01(\x05\x12\x10\n\x08\x65stimate\x18\x0e \x01(\x03\x12:\n\x0cprompt_cache\x18\x0f \x01(\x0b\x32$.mlxserve.runner.v1.PromptCacheStats\"\xe9\x01\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.mlxserve.v1.RunnerState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x10\n\x08restarts\x18\x05 \x01(\x05\x12\x17\n\x0flast_used_s_ago\x18\x06 \x01(\x01\x12)\n\x06memory\x18\x07 \x01(\x0b\x32\x19.mlxserve.v1.MemorySample\x12\x0e\n\x06target\x18\x08 \x01(\t\x12\r\n\x05\x64raft\x18\t \x01(\t\x12\x11\n\tin_flight\x18\n \x01(\x05\"\x13\n\x11ListModelsRequest\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\"!\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"!\n\x10GetMemoryRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x85\x01\n\x11GetMemoryResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\x12\x18\n\x10system_available\x18\x02 \x01(\x03\x12\x14\n\x0csystem_total\x18\x03 \x01(\x03\x12\x16\n\x0esupervisor_rss\x18\x04 \x01(\x03\"\x12\n\x10GetStatusRequest\"\x90\x01\n\x11GetStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\r\n\x05ready\x18\x04 \x01(\x08\x12(\n\x06models\x18\x05 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\x12\x12\n\nmax_loaded\x18\x06 \x01(\x05*\xc8\x01\n\x0bRunnerState\x12\x1c\n\x18RUNNER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14RUNNER_STATE_STOPPED\x10\x01\x12\x19\n\x15RUNNER_STATE_STARTING\x10\x02\x12\x18\n\x14RUNNER_STATE_SERVING\x10\x03\x12\x19\n\x15RUNNER_STATE_DRAINING\x10\x04\x12\x18\n\x14RUNNER_STATE_BACKOFF\x10\x05\x12\x17\n\x13RUNNER_STATE_FAILED\x10\x06\x32\xd2\x03\n\nSupervisor\x12M\n\x08Generate\x12\x1c.mlxserve.v1.GenerateRequest\x1a!.mlxserve.runner.v1.GenerateChunk0\x01\x12M\n\nListModels\x12\x1e.mlxserve.v1.ListModelsRequest\x1a\x1f.mlxserve.v1.ListModelsResponse\x12\x44\n\tLoadModel\x12\x1d.mlxserve.v1.LoadModelRequest\x1a\x18.mlxserve.v1.ModelStatus\x12H\n\x0bUnloadModel\x12\x1f.mlxserve.v1.UnloadModelRequest\x1a\x18.mlxserve.v1.ModelStatus\x12J\n\tGetMemory\x12\x1d.mlxserve.v1.GetMemoryRequest\x1a\x1e.mlxserve.v1.GetMemoryResponse\x12J\n\tGetStatus\x12\x1d.mlxserve.v1.GetStatusRequest\x1a\x1e.mlxserve.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +34,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_RUNNERSTATE']._serialized_start=2029
-  _globals['_RUNNERSTATE']._serialized_end=2229
+  _globals['_RUNNERSTATE']._serialized_start=2054
+  _globals['_RUNNERSTATE']._serialized_end=2254
   _globals['_GENERATEREQUEST']._serialized_start=84
-  _globals['_GENERATEREQUEST']._serialized_end=952
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=817
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=865
-  _globals['_MEMORYSAMPLE']._serialized_start=955
-  _globals['_MEMORYSAMPLE']._serialized_end=1295
-  _globals['_MODELSTATUS']._serialized_start=1298
-  _globals['_MODELSTATUS']._serialized_end=1531
-  _globals['_LISTMODELSREQUEST']._serialized_start=1533
-  _globals['_LISTMODELSREQUEST']._serialized_end=1552
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1554
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1616
-  _globals['_LOADMODELREQUEST']._serialized_start=1618
-  _globals['_LOADMODELREQUEST']._serialized_end=1651
-  _globals['_UNLOADMODELREQUEST']._serialized_start=1653
-  _globals['_UNLOADMODELREQUEST']._serialized_end=1688
-  _globals['_GETMEMORYREQUEST']._serialized_start=1690
-  _globals['_GETMEMORYREQUEST']._serialized_end=1723
-  _globals['_GETMEMORYRESPONSE']._serialized_start=1726
-  _globals['_GETMEMORYRESPONSE']._serialized_end=1859
-  _globals['_GETSTATUSREQUEST']._serialized_start=1861
-  _globals['_GETSTATUSREQUEST']._serialized_end=1879
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1882
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2026
-  _globals['_SUPERVISOR']._serialized_start=2232
-  _globals['_SUPERVISOR']._serialized_end=2698
+  _globals['_GENERATEREQUEST']._serialized_end=977
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=842
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=890
+  _globals['_MEMORYSAMPLE']._serialized_start=980
+  _globals['_MEMORYSAMPLE']._serialized_end=1320
+  _globals['_MODELSTATUS']._serialized_start=1323
+  _globals['_MODELSTATUS']._serialized_end=1556
+  _globals['_LISTMODELSREQUEST']._serialized_start=1558
+  _globals['_LISTMODELSREQUEST']._serialized_end=1577
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1579
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1641
+  _globals['_LOADMODELREQUEST']._serialized_start=1643
+  _globals['_LOADMODELREQUEST']._serialized_end=1676
+  _globals['_UNLOADMODELREQUEST']._serialized_start=1678
+  _globals['_UNLOADMODELREQUEST']._serialized_end=1713
+  _globals['_GETMEMORYREQUEST']._serialized_start=1715
+  _globals['_GETMEMORYREQUEST']._serialized_end=1748
+  _globals['_GETMEMORYRESPONSE']._serialized_start=1751
+  _globals['_GETMEMORYRESPONSE']._serialized_end=1884
+  _globals['_GETSTATUSREQUEST']._serialized_start=1886
+  _globals['_GETSTATUSREQUEST']._serialized_end=1904
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1907
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2051
+  _globals['_SUPERVISOR']._serialized_start=2257
+  _globals['_SUPERVISOR']._serialized_end=2723
 # @@protoc_insertion_point(module_scope)
