@@ -43,7 +43,7 @@ log = logging.getLogger("runner")
 
 # Rounds a request's answer may hold waiting for its client (one to ~17 tokens each, ~1 KB): past it the client
 # reads too slowly, and the request ends rather than hold its row and a growing queue (issue #22's back-pressure).
-MAX_PENDING_ROUNDS = 1024
+MAX_PENDING_ROUNDS = 4096
 
 
 @dataclass

@@ -313,7 +313,8 @@ def test_the_pool_stays_bounded_over_a_long_batched_generation(restore_cache_lim
             DEFAULT_DRAFT,
             RunnerSettings(prompt_cache=0, cache_limit=CACHE_LIMIT_UNBOUNDED, release_enabled=release),
         )
-        worker = MlxWorker(engine, max_queue=8, max_batch=4)
+        # Read one after the other: the others' rounds wait meanwhile (more than a slow client's bound).
+        worker = MlxWorker(engine, max_queue=8, max_batch=4, max_pending_rounds=10_000)
         worker.start()
         mx.clear_cache()
         peak, done = 0, threading.Event()
