@@ -284,8 +284,23 @@ def ollama_calls(deltas) -> list[dict]:
 # -- routes ------------------------------------------------------------------------------------------------------
 
 
+class JsonBodies:
+    """ASGI middleware: a POST under /api/ is JSON whatever its Content-Type says. Ollama reads the body as JSON
+    regardless, and its documented examples send it with ``curl -d``, which says form-encoded."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith("/api/"):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
 def register(app: FastAPI, supervisor, authorized, until_done) -> None:
     """Add Ollama's routes to the HTTP API's app."""
+    app.add_middleware(JsonBodies)
 
     def details(name: str) -> dict:
         runner = supervisor.scheduler.runner(name)

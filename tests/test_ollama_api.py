@@ -100,6 +100,18 @@ def test_a_tool_round_trip(client):
     assert answer.message.content and not answer.message.tool_calls
 
 
+def test_a_body_sent_as_curl_sends_it_is_read_as_json(chat_supervisor):
+    """Ollama's documented examples use ``curl -d``, which labels the JSON body form-encoded."""
+    body = (
+        '{"model": "pair", "prompt": "The for statement", "raw": true, "stream": false, "options": {"num_predict": 3}}'
+    )
+    headers = {"Authorization": f"Bearer {chat_supervisor.token}", "Content-Type": "application/x-www-form-urlencoded"}
+    answer = httpx.post(
+        f"http://127.0.0.1:{chat_supervisor.http_port}/api/generate", content=body, headers=headers, timeout=60
+    )
+    assert answer.status_code == 200 and answer.json()["eval_count"] == 3
+
+
 def test_listings_and_version(client, chat_supervisor):
     names = [m.model for m in client.list().models]
     assert set(names) == {"smol", "pair", "busy"}
