@@ -41,7 +41,7 @@ from starlette.concurrency import run_in_threadpool
 from common.requests import FinishReason
 from common.status import Code, ServiceError
 
-from .http_common import EventStream, Number, Schema, build_request, speculation, tool_calls
+from .http_common import EventStream, Number, Schema, build_request, refuse_not_honoured, speculation, tool_calls
 from .http_errors import http_status
 from .protocol import supervisor_pb2
 
@@ -119,12 +119,6 @@ class CountTokensRequest(Schema):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
 
-    def refuse_not_honoured(self) -> None:
-        for key, value in (self.model_extra or {}).items():
-            uses = NOT_HONOURED.get(key)
-            if uses is not None and uses(value):
-                raise bad(f"{key}: not supported by this server; leave it out", key)
-
     def conversation(self) -> list[tuple]:
         """(role, content, name, tool_call_id, tool_calls) tuples, as the internal request takes them."""
         out: list[tuple] = []
@@ -192,7 +186,7 @@ class CountTokensRequest(Schema):
         }
 
     def to_proto(self, **fields) -> supervisor_pb2.GenerateRequest:
-        self.refuse_not_honoured()
+        refuse_not_honoured(self.model_extra, NOT_HONOURED)
         return build_request(self.model, {**fields, **self.tool_fields()}, self.conversation())
 
 

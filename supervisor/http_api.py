@@ -50,7 +50,7 @@ from common.protocol import runner_pb2
 from common.requests import FinishReason
 from common.status import Code, ServiceError, status_of
 
-from .http_common import EventStream, Number, Schema, build_request, speculation, tool_calls
+from .http_common import EventStream, Number, Schema, build_request, refuse_not_honoured, speculation, tool_calls
 from .http_errors import openai_error
 from .protocol import supervisor_pb2
 
@@ -82,19 +82,6 @@ NOT_HONOURED = {
     "audio": lambda v: v is not None,
     "modalities": lambda v: v not in (None, ["text"]),
 }
-
-
-def refuse_not_honoured(extra: dict | None, table: dict = NOT_HONOURED, where: str = "") -> None:
-    """400 for the first field of ``table`` that ``extra`` (a request's unknown fields) uses."""
-    for key, value in (extra or {}).items():
-        uses = table.get(key)
-        if uses is not None and uses(value):
-            raise ServiceError(
-                Code.INVALID_ARGUMENT,
-                f"{where}{key}: not supported by this server yet; leave it out (it would otherwise be ignored, "
-                "and the answer would not be what it asks for)",
-                f"{where}{key}",
-            )
 
 
 class ContentPart(Schema):
@@ -269,7 +256,7 @@ class Sampling(Schema):
     def sampling_fields(self, max_tokens: int | None) -> dict:
         """The shared fields as ``common.requests.check_fields`` and the message take them, OpenAI's defaults
         filled in."""
-        refuse_not_honoured(self.model_extra)
+        refuse_not_honoured(self.model_extra, NOT_HONOURED)
         return {
             "max_tokens": MAX_TOKENS_UNSET if max_tokens is None else max_tokens,
             "temperature": 1.0 if self.temperature is None else float(self.temperature),  # OpenAI's default

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_valida
 
 from common.protocol import runner_pb2
 from common.requests import NOT_UNICODE, check_fields, is_unicode
+from common.status import Code, ServiceError
 
 from .protocol import supervisor_pb2
 
@@ -46,6 +47,20 @@ class Schema(BaseModel):
         if where is not None:
             raise ValueError(f"{where}: {NOT_UNICODE}")
         return data
+
+
+def refuse_not_honoured(extra: dict | None, table: dict, where: str = "") -> None:
+    """400 for the first field of ``table`` (field -> whether a value asks for something not served) that
+    ``extra`` (a request's unknown fields) uses: such a field is refused, never ignored. Every HTTP API's."""
+    for key, value in (extra or {}).items():
+        uses = table.get(key)
+        if uses is not None and uses(value):
+            raise ServiceError(
+                Code.INVALID_ARGUMENT,
+                f"{where}{key}: not supported by this server yet; leave it out (it would otherwise be ignored, "
+                "and the answer would not be what it asks for)",
+                f"{where}{key}",
+            )
 
 
 def build_request(model: str, fields: dict, messages=(), ignore_eos: bool = False) -> supervisor_pb2.GenerateRequest:
@@ -97,15 +112,16 @@ def tool_calls(deltas) -> list[dict]:
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events of one generation. However the response ends (streamed to the end, client gone, or
-    never started), the generation is cancelled, which stops its runner call, and its stream is closed.
+    """Server-sent events (or, with its media type, NDJSON lines) of one generation. However the response ends
+    (streamed to the end, client gone, or never started), the generation is cancelled, which stops its runner
+    call, and its stream is closed.
 
     Starlette stops a stream whose client went away by cancelling it, and it neither closes ``events`` nor
     ``chunks``; left to the garbage collector, they would hold the runner call until a collection."""
 
-    def __init__(self, events, generation, chunks):
+    def __init__(self, events, generation, chunks, media_type: str = "text/event-stream"):
         super().__init__(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            events, media_type=media_type, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self.generation, self.chunks = generation, chunks
 

@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
@@ -44,7 +44,7 @@ from common import __version__
 from common.requests import FinishReason
 from common.status import Code, ServiceError
 
-from .http_common import Number, Schema, build_request, tool_calls
+from .http_common import EventStream, Number, Schema, build_request, tool_calls
 from .http_errors import http_status
 
 OLLAMA_VERSION = "0.12.0"  # the API level answered at /api/version (clients check it for features)
@@ -503,23 +503,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                 yield json.dumps(ollama_error(error)[1]) + "\n"
             await keep_alive_after(body.model, seconds)
 
-        return NdjsonStream(lines(), generation, chunks)
-
-
-class NdjsonStream(StreamingResponse):
-    """Newline-delimited JSON of one generation; however it ends, the generation is cancelled and its chunks
-    closed (as ``http_common.EventStream`` does for server-sent events)."""
-
-    def __init__(self, lines, generation, chunks):
-        super().__init__(lines, media_type="application/x-ndjson")
-        self.generation, self.chunks = generation, chunks
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.generation.cancel()
-            self.chunks.close()
+        return EventStream(lines(), generation, chunks, media_type="application/x-ndjson")
 
 
 def error_response(error: ServiceError) -> JSONResponse:

@@ -35,7 +35,7 @@ from starlette.concurrency import run_in_threadpool
 from common.requests import FinishReason
 from common.status import Code, ServiceError
 
-from .http_common import EventStream, Number, Schema, build_request, speculation, tool_calls
+from .http_common import EventStream, Number, Schema, build_request, refuse_not_honoured, speculation, tool_calls
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET
 MAX_TOKENS_UNSET = 2**31 - 1
@@ -114,12 +114,6 @@ class ResponsesRequest(Schema):
     metadata: dict[str, Any] | None = None
     user: StrictStr | None = None
 
-    def refuse_not_honoured(self) -> None:
-        for key, value in (self.model_extra or {}).items():
-            refused = NOT_HONOURED.get(key)
-            if refused is not None and refused(value):
-                raise bad(f"{key}: not supported by this server; leave it out", key)
-
     def conversation(self, earlier: list) -> list[tuple]:
         """The internal conversation: the previous response's, then this input (the instructions apart)."""
         out = list(earlier)
@@ -194,7 +188,7 @@ class ResponsesRequest(Schema):
         raise bad("text.format: must be text, json_object or json_schema with a schema", "text")
 
     def to_proto(self, earlier: list) -> tuple[Any, list]:
-        self.refuse_not_honoured()
+        refuse_not_honoured(self.model_extra, NOT_HONOURED)
         conversation = self.conversation(earlier)
         messages = ([("system", self.instructions, "", "", ())] if self.instructions else []) + conversation
         fields = {
