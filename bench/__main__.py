@@ -16,6 +16,7 @@ SECTIONS = (
     "speculation",
     "runner",
     "supervisor",
+    "front_door",
     "real_model",
     "gguf_import",
     "prompt_cache",
