@@ -24,6 +24,7 @@ from .defaults import (
     DEFAULT_GRACE,
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_DRAFT_TOKENS,
+    DEFAULT_MAX_PENDING_ROUNDS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_NGRAM_MAX,
     DEFAULT_NGRAM_MIN,
@@ -205,6 +206,12 @@ class RunnerSettings:
         "requests that may wait for a place in the batch; the next is refused (RESOURCE_EXHAUSTED)",
     )
     max_batch: int = setting(DEFAULT_MAX_BATCH, "int", "requests decoded together at most (1 = one at a time)")
+    max_pending_rounds: int = setting(
+        DEFAULT_MAX_PENDING_ROUNDS,
+        "int",
+        "rounds that may wait for a client that reads slowly; past them its request ends (RESOURCE_EXHAUSTED) and "
+        "its row goes to others",
+    )
     stall_after: float = setting(
         DEFAULT_STALL_AFTER,
         "duration",
@@ -256,6 +263,8 @@ class RunnerSettings:
             raise SettingsError("batch_memory", "must be positive")
         if self.max_queue < 0:
             raise SettingsError("max_queue", "must be >= 0")
+        if self.max_pending_rounds < 1:
+            raise SettingsError("max_pending_rounds", "must be >= 1")
         if self.max_batch < 1:
             raise SettingsError("max_batch", "must be at least 1")
         if self.stall_after <= 0:

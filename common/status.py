@@ -2,16 +2,18 @@
 
 Every error this system raises on purpose carries its gRPC code (``status_of``);
 the gRPC servers of the runner and the supervisor turn it into a status with
-one interceptor (``StatusInterceptor``), and the supervisor's HTTP API turns the
-same code into an HTTP status in its own shape (``supervisor.http_errors``).
+one interceptor (``StatusInterceptor``; ``AsyncStatusInterceptor`` on grpc.aio),
+and the supervisor's HTTP API turns the same code into an HTTP status in its own shape (``supervisor.http_errors``).
 Importable without MLX.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import grpc
+import grpc.aio
 
 from .errors import ClientTooSlow, EngineError, InvalidRequest, ModelLoadError, NotReady, QueueFull, WorkerStopped
 
@@ -96,5 +98,53 @@ class StatusInterceptor(grpc.ServerInterceptor):
                 yield from behavior(request, context)
             except Exception as error:  # noqa: BLE001 - every error gets a status
                 self._abort(context, error)
+
+        return wrapped
+
+
+class AsyncStatusInterceptor(grpc.aio.ServerInterceptor):
+    """``StatusInterceptor`` for a grpc.aio server (the supervisor's front door): the same mapping, for the
+    handlers that are coroutines or async generators. Sync handlers (the health service's, run on the server's
+    thread pool) pass through untouched."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary and inspect.iscoroutinefunction(handler.unary_unary):
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+    @staticmethod
+    async def _abort(context, error: BaseException):
+        if isinstance(error, grpc.aio.AbortError):  # an abort under way goes on as it is
+            raise error
+        status = status_of(error)
+        if status.code == Code.INTERNAL:
+            log.error("%s", status.message, exc_info=error)
+        await context.abort(status.code, status.message)
+
+    def _unary(self, behavior):
+        async def wrapped(request, context):
+            try:
+                return await behavior(request, context)
+            except Exception as error:  # noqa: BLE001 - every error gets a status
+                await self._abort(context, error)
+
+        return wrapped
+
+    def _stream(self, behavior):
+        async def wrapped(request, context):
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except Exception as error:  # noqa: BLE001 - every error gets a status
+                await self._abort(context, error)
 
         return wrapped

@@ -122,6 +122,7 @@ def main(argv=None) -> int:
             settings.max_queue,
             settings.stall_after,
             settings.max_batch,
+            settings.max_pending_rounds,
         )
         server.start()
         if args.listen.startswith("unix:"):

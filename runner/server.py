@@ -22,7 +22,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import __version__
-from common.defaults import CHANNEL_OPTIONS, DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_STALL_AFTER
+from common.defaults import (
+    CHANNEL_OPTIONS,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_PENDING_ROUNDS,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_STALL_AFTER,
+)
 from common.errors import NotReady
 from common.protocol import runner_pb2, runner_pb2_grpc
 from common.requests import FinishReason, fields_of
@@ -334,8 +340,10 @@ class RunnerServer:
         max_queue: int = DEFAULT_MAX_QUEUE,
         stall_after: float = DEFAULT_STALL_AFTER,
         max_batch: int = DEFAULT_MAX_BATCH,
+        max_pending_rounds: int = DEFAULT_MAX_PENDING_ROUNDS,
     ):
         self.service = service
+        self.max_pending_rounds = max_pending_rounds
         self.max_batch = max_batch
         self.stall_after = stall_after
         self._shutting_down = threading.Event()
@@ -367,7 +375,14 @@ class RunnerServer:
     def attach(self, engine: Engine, on_fatal) -> None:
         """Models are loaded: start the MLX thread and report SERVING."""
         self.service.engine = engine
-        worker = MlxWorker(engine, self.max_queue, on_fatal=on_fatal, name=self.service.name, max_batch=self.max_batch)
+        worker = MlxWorker(
+            engine,
+            self.max_queue,
+            on_fatal=on_fatal,
+            name=self.service.name,
+            max_batch=self.max_batch,
+            max_pending_rounds=self.max_pending_rounds,
+        )
         worker.start()
         self.service.worker = worker
         self._set_health(health_pb2.HealthCheckResponse.SERVING)

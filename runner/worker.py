@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from common.defaults import DEFAULT_MAX_PENDING_ROUNDS
 from common.errors import ClientTooSlow, EngineError, QueueFull, WorkerStopped
 
 from .batch import Batch, prefill_jointly
@@ -43,7 +44,7 @@ log = logging.getLogger("runner")
 
 # Rounds a request's answer may hold waiting for its client (one to ~17 tokens each, ~1 KB): past it the client
 # reads too slowly, and the request ends rather than hold its row and a growing queue (issue #22's back-pressure).
-MAX_PENDING_ROUNDS = 4096
+MAX_PENDING_ROUNDS = DEFAULT_MAX_PENDING_ROUNDS
 
 
 @dataclass

@@ -348,12 +348,12 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
     async def messages(body: MessagesRequest, request: Request):
         generation = supervisor.generate(body.generation(), timeout=None)
         if not body.stream:
-            return whole(body.model, await until_done(request, generation, lambda: list(generation)))
+            return whole(body.model, await until_done(request, generation, generation.collect))
         return await stream(request, body.model, generation)
 
     async def stream(request: Request, model: str, generation):
-        chunks = iter(generation)
-        first_chunk = asyncio.ensure_future(run_in_threadpool(next, chunks, None))
+        chunks = aiter(generation)
+        first_chunk = asyncio.ensure_future(anext(chunks, None))
         try:
             # Within FIRST_CHUNK_WAIT, an error is still an HTTP status.
             await asyncio.wait_for(asyncio.shield(first_chunk), FIRST_CHUNK_WAIT)
@@ -379,13 +379,14 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                 while chunk is not None:
                     for event in blocks.chunk(chunk):
                         yield event
-                    chunk = await run_in_threadpool(next, chunks, None)
+                    chunk = await anext(chunks, None)
             except ServiceError as error:
                 yield sse("error", anthropic_error(error)[1])
             finally:
                 if not first_chunk.done():  # the client went away while the prompt prefilled
                     generation.cancel()
-                    await asyncio.wait({first_chunk})  # no thread inside chunks when the stream closes them
+                    first_chunk.cancel()
+                    await asyncio.wait({first_chunk})  # chunks not running when the stream closes them
 
         return EventStream(events(), generation, chunks)
 

@@ -11,10 +11,15 @@ the client sees a pause, not an error, and greedy output is the uninterrupted
 one; a second death, or an answer under a grammar or with tools, gives the
 client the failure, naming the model and the cause. Every failure is a ``ServiceError`` (``common.status``),
 which each API turns into its own status.
+
+A generation is iterated with ``async for`` on the supervisor's front door
+(``supervisor.front_door``): its runner call is a grpc.aio call on the same
+loop, so relaying a chunk costs no thread hand-off.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -48,7 +53,20 @@ def field_named(details: str) -> str | None:
     return field if field in runner_pb2.GenerateRequest.DESCRIPTOR.fields_by_name else None
 
 
+class RunnerCancelled(grpc.RpcError):
+    """A runner call cancelled here (the client went away, or the memory policy restarts the runner), as the
+    RpcError it is: grpc.aio raises CancelledError in the task reading a call cancelled locally."""
+
+    def code(self):
+        return grpc.StatusCode.CANCELLED
+
+    def details(self):
+        return "cancelled by the supervisor"
+
+
 class Generation:
+    """One request's way through the supervisor, iterated with ``async for`` on the front door's loop."""
+
     def __init__(self, supervisor, request, timeout: float | None):
         """``request`` is a supervisor GenerateRequest; ``timeout`` None waits as long as a model takes to start."""
         self.sup = supervisor
@@ -59,14 +77,14 @@ class Generation:
         runners = supervisor.scheduler.runners
         self.model = request.model or (next(iter(runners)) if len(runners) == 1 else "")
         self._cancelled = threading.Event()
-        self._active = None  # (runner, call) while a runner call streams
+        self._active = None  # (runner, RunnerCall) while a runner call streams
         self.tokens = 0  # streamed so far
         self.sent_ids: list[int] = []  # the answer's tokens streamed so far (a resume goes on from them)
         self.sent_text = 0  # and the characters of its text
         self.resumed = 0  # tokens a resumed runner was given as the answer so far (0: not resumed)
 
     def cancel(self) -> None:
-        """The client went away: stop the runner's generation (it stops within one round).
+        """The client went away: stop the runner's generation (it stops within one round). From any thread.
 
         The runner's call stops counting as in flight here, not when this generation's iterator is finished: a
         server may drop an iterator it no longer reads without closing it, and then only the cyclic garbage
@@ -81,17 +99,12 @@ class Generation:
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
-    def __iter__(self):
-        code = "OK"
-        try:
-            yield from self._stream()
-        except ServiceError as error:
-            code = error.code.name
-            raise
-        finally:
-            if code == "OK" and self._cancelled.is_set():
-                code = "CANCELLED"
-            self.sup.metrics.requests.labels(self.model or "-", code).inc()
+    async def collect(self) -> list:
+        """Every chunk of the answer."""
+        return [chunk async for chunk in self]
+
+    def __aiter__(self):
+        return self._stream()
 
     def _forwarded(self) -> runner_pb2.GenerateRequest:
         forwarded = runner_pb2.GenerateRequest.FromString(self.request.SerializeToString())
@@ -121,20 +134,25 @@ class Generation:
                 chunk.stats.generated_tokens += self.resumed
         return chunk
 
-    def _stream(self):
+    async def _stream(self):
+        """The answer's chunks; the request is counted in the metrics by how it ended. One generator, not
+        layers of them: every layer costs each relayed chunk a step of the loop."""
+        code = "OK"
         try:
-            check_message(self.request)  # before a model is looked for: a bad request loads nothing
-        except InvalidRequest as error:
-            raise status_of(error) from None
-        metrics = self.sup.metrics
-        resends = 0
-        while True:
-            if self._cancelled.is_set():
-                raise ServiceError(Code.CANCELLED, "client went away")
-            timeout = self.remaining()
-            with self.sup.scheduler.acquire(self.model, timeout=timeout) as runner:
+            try:
+                check_message(self.request)  # before a model is looked for: a bad request loads nothing
+            except InvalidRequest as error:
+                raise status_of(error) from None
+            metrics = self.sup.metrics
+            front = self.sup.front
+            resends = 0
+            while True:
+                if self._cancelled.is_set():
+                    raise ServiceError(Code.CANCELLED, "client went away")
+                timeout = self.remaining()
+                runner = await front.acquire(self.sup.scheduler, self.model, timeout)
                 started = time.perf_counter()
-                call = runner.client.stub.Generate(self._forwarded(), timeout=self.remaining())
+                call = front.runner_call(runner, self._forwarded(), self.remaining())
                 runner.track(call)
                 self._active = (runner, call)
                 if self._cancelled.is_set():
@@ -142,21 +160,26 @@ class Generation:
                 pid = runner.pid
                 first = True
                 try:
-                    for chunk in call:
-                        if first:
-                            metrics.ttft.labels(self.model).observe(time.perf_counter() - started)
-                            first = False
-                        chunk = self._as_one_answer(chunk)
-                        self.tokens += len(chunk.token_ids)
-                        self.sent_ids += chunk.token_ids
-                        self.sent_text += len(chunk.text)
-                        if chunk.HasField("stats"):
-                            metrics.tokens.labels(self.model).inc(chunk.stats.generated_tokens)
-                            metrics.acceptance.labels(self.model).set(chunk.stats.acceptance_rate)
-                        yield chunk
-                    return
+                    try:
+                        async for chunk in call.call:
+                            if first:
+                                metrics.ttft.labels(self.model).observe(time.perf_counter() - started)
+                                first = False
+                            chunk = self._as_one_answer(chunk)
+                            self.tokens += len(chunk.token_ids)
+                            self.sent_ids += chunk.token_ids
+                            self.sent_text += len(chunk.text)
+                            if chunk.HasField("stats"):
+                                metrics.tokens.labels(self.model).inc(chunk.stats.generated_tokens)
+                                metrics.acceptance.labels(self.model).set(chunk.stats.acceptance_rate)
+                            yield chunk
+                        return
+                    except asyncio.CancelledError:
+                        if asyncio.current_task().cancelling() or not call.cancelled:
+                            raise  # this task is cancelled (its client went away): not the call alone
+                        raise RunnerCancelled() from None
                 except grpc.RpcError as error:
-                    failure, runner_went_away = self._failure(runner, call, error)
+                    failure, runner_went_away = await self._failure(runner, call, error)
                     if (
                         runner_went_away
                         and self.tokens == 0
@@ -171,7 +194,7 @@ class Generation:
                             self.model,
                             failure.message,
                         )
-                        self._wait_for_replacement(runner, pid)
+                        await self._wait_for_replacement(runner, pid)
                         continue
                     if (
                         runner_went_away
@@ -189,14 +212,26 @@ class Generation:
                             failure.message,
                         )
                         self.sup.metrics.resumes.labels(self.model).inc()
-                        self._wait_for_replacement(runner, pid)
+                        await self._wait_for_replacement(runner, pid)
                         continue
                     raise failure from None
                 finally:
                     self._active = None
+                    if not call.call.done():
+                        call.cancel()
                     runner.untrack(call)
+        except ServiceError as error:
+            code = error.code.name
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code = "CANCELLED"
+            raise
+        finally:
+            if code == "OK" and self._cancelled.is_set():
+                code = "CANCELLED"
+            self.sup.metrics.requests.labels(self.model or "-", code).inc()
 
-    def _failure(self, runner: ManagedRunner, call, error: grpc.RpcError) -> tuple[ServiceError, bool]:
+    async def _failure(self, runner: ManagedRunner, call, error: grpc.RpcError) -> tuple[ServiceError, bool]:
         """What the client is told, and whether the runner went away (so the request may be sent again)."""
         code = error.code()
         if self.sup.shutting_down.is_set():
@@ -211,7 +246,7 @@ class Generation:
             return ServiceError(Code.CANCELLED, "client went away"), False
         # The runner went away under the request: say which model and why.
         if runner.failure_for(call) is None:
-            runner.exited.wait(1.0)
+            await until(runner.exited.is_set, 1.0)
         failure = runner.failure_for(call)
         if failure is not None:
             status, message = failure
@@ -220,11 +255,19 @@ class Generation:
         gone = runner.pid == 0 or runner.state != State.SERVING
         return ServiceError(Code.UNAVAILABLE, f"model {self.model}: {error.details() or code.name}"), gone
 
-    def _wait_for_replacement(self, runner: ManagedRunner, old_pid: int) -> None:
+    async def _wait_for_replacement(self, runner: ManagedRunner, old_pid: int) -> None:
         """Until the supervisor has noticed the death (then ``acquire`` waits for the restart)."""
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and runner.state == State.SERVING and runner.pid in (0, old_pid):
-            time.sleep(0.02)
+        await until(lambda: not (runner.state == State.SERVING and runner.pid in (0, old_pid)), 2.0)
+
+
+async def until(predicate, timeout: float, interval: float = 0.02) -> bool:
+    """Whether ``predicate()`` came true within ``timeout`` seconds, polled without blocking the loop."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(interval)
+    return True
 
 
 def count_tokens(supervisor, request, timeout: float = 120.0) -> int:

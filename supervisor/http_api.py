@@ -34,7 +34,6 @@ import json
 import logging
 import secrets
 import socket
-import threading
 import time
 from typing import Any
 
@@ -42,7 +41,6 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequest
@@ -56,6 +54,7 @@ from .protocol import supervisor_pb2
 
 log = logging.getLogger("supervisor")
 
+SEND_BUFFER = 128 * 1024  # bytes; the kernel doubles it
 MAX_TOKENS_UNSET = 2**31 - 1  # the runner caps it at the room left in the context
 FINISH_REASONS = {
     FinishReason.STOP: "stop",
@@ -645,25 +644,27 @@ def create_app(supervisor) -> FastAPI:
             raise in_own_words(error, body) from None
 
     async def until_done(request: Request, generation, work):
-        """``work()`` on a worker thread; a client that disconnects meanwhile cancels the generation."""
-        task = asyncio.ensure_future(run_in_threadpool(work))
+        """``await work()`` (a generation's chunks, or its first); a client that disconnects meanwhile cancels
+        the generation."""
+        task = asyncio.ensure_future(work())
         try:
             while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.1)
+                done, _ = await asyncio.wait({task}, timeout=0.25)
                 if not done and await request.is_disconnected():
                     generation.cancel()
             return task.result()
         except asyncio.CancelledError:
             generation.cancel()
+            task.cancel()
             raise
 
     async def whole(request: Request, generation, out: Answer):
-        return out.whole(await until_done(request, generation, lambda: list(generation)))
+        return out.whole(await until_done(request, generation, generation.collect))
 
     async def stream(request: Request, generation, out: Answer, include_usage: bool):
-        chunks = iter(generation)
+        chunks = aiter(generation)
         # The first chunk decides between an error status and a 200 stream.
-        first = await until_done(request, generation, lambda: next(chunks, None))
+        first = await until_done(request, generation, lambda: anext(chunks, None))
 
         async def events():
             chunk = first
@@ -677,7 +678,7 @@ def create_app(supervisor) -> FastAPI:
                         yield sse(event)
                     if chunk.HasField("stats") and include_usage and out.all_ended:
                         yield sse(out.usage_event())
-                    chunk = await run_in_threadpool(next, chunks, None)
+                    chunk = await anext(chunks, None)
             except ServiceError as error:
                 yield sse(openai_error(error)[1])
             yield sse("[DONE]")
@@ -693,10 +694,10 @@ def create_app(supervisor) -> FastAPI:
 
 
 class HttpServer:
-    """uvicorn serving the app on its own thread; the socket is bound up front, so a busy port fails start-up."""
+    """uvicorn serving the app on the front door's loop; the socket is bound up front, so a busy port fails
+    start-up."""
 
-    def __init__(self, app: FastAPI, listen: str, tls_cert=None, tls_key=None, grace: float = 10.0, threads: int = 256):
-        self.threads = threads
+    def __init__(self, app: FastAPI, listen: str, tls_cert=None, tls_key=None, grace: float = 10.0):
         import uvicorn
 
         host, _, port = listen.rpartition(":")
@@ -704,6 +705,10 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Every connection's send buffer fixed (connections inherit it from the listening socket), not grown by
+        # the kernel up to 4 MiB: a client that stops reading stops its stream after this and uvicorn's 64 KiB,
+        # and its rounds wait in the runner, bounded there (``max_pending_rounds``).
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         try:
             self.socket.bind((host, int(port)))
         except OSError as error:
@@ -723,20 +728,10 @@ class HttpServer:
             ssl_keyfile=str(tls_key) if tls_key else None,
         )
         self.server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._run, name="http", daemon=True)
+        self._serving = None  # concurrent.futures.Future of serve() on the front door's loop
 
-    def _run(self) -> None:
-        import anyio.to_thread
-
-        async def serve():
-            # Every streaming answer waits for its chunks on a worker thread: allow as many as gRPC does.
-            anyio.to_thread.current_default_thread_limiter().total_tokens = self.threads
-            await self.server.serve(sockets=[self.socket])
-
-        asyncio.run(serve())
-
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, front) -> None:
+        self._serving = front.submit(self.server.serve(sockets=[self.socket]))
 
     def begin_stop(self) -> None:
         """No new connections; answers in flight go on (their generations end with the runners)."""
@@ -744,4 +739,8 @@ class HttpServer:
 
     def stop(self, timeout: float = 5.0) -> None:
         self.server.should_exit = True
-        self._thread.join(timeout)
+        if self._serving is not None:
+            try:
+                self._serving.result(timeout)
+            except Exception as error:  # noqa: BLE001 - stopping goes on; say why this one did not stop cleanly
+                log.warning("HTTP server on port %d did not stop cleanly: %r", self.port, error)

@@ -114,7 +114,7 @@ def tool_calls(deltas) -> list[dict]:
 class EventStream(StreamingResponse):
     """Server-sent events (or, with its media type, NDJSON lines) of one generation. However the response ends
     (streamed to the end, client gone, or never started), the generation is cancelled, which stops its runner
-    call, and its stream is closed.
+    call, and its chunks (an async generator, ``aiter(generation)``) are closed.
 
     Starlette stops a stream whose client went away by cancelling it, and it neither closes ``events`` nor
     ``chunks``; left to the garbage collector, they would hold the runner call until a collection."""
@@ -130,5 +130,11 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.generation.cancel()  # a no-op once finished
-            # No thread is inside chunks now: a cancelled wait for its next() still waits for the thread.
-            self.chunks.close()
+            await self.events_closed()
+
+    async def events_closed(self) -> None:
+        for stream in (self.body_iterator, self.chunks):
+            try:
+                await stream.aclose()
+            except RuntimeError:  # still running in a task of its adapter's, which closes it (anthropic_api)
+                pass

@@ -476,7 +476,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
             return out
 
         if not body.stream:
-            chunks = await until_done(request, generation, lambda: list(generation))
+            chunks = await until_done(request, generation, generation.collect)
             await keep_alive_after(body.model, seconds)
             text = "".join(c.text for c in chunks)
             calls = ollama_calls([d for c in chunks for d in c.tool_calls]) if chat else []
@@ -484,8 +484,8 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
             out[key] = piece(text, calls)[key]
             return out
 
-        chunks = iter(generation)
-        first = await until_done(request, generation, lambda: next(chunks, None))
+        chunks = aiter(generation)
+        first = await until_done(request, generation, lambda: anext(chunks, None))
 
         async def lines():
             chunk, deltas = first, []
@@ -498,7 +498,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                         if deltas and chat:  # calls whole, as Ollama sends them, before the end
                             yield json.dumps(piece("", ollama_calls(deltas)), ensure_ascii=False) + "\n"
                         yield json.dumps(final(chunk, time.perf_counter() - started)) + "\n"
-                    chunk = await run_in_threadpool(next, chunks, None)
+                    chunk = await anext(chunks, None)
             except ServiceError as error:
                 yield json.dumps(ollama_error(error)[1]) + "\n"
             await keep_alive_after(body.model, seconds)

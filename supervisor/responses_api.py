@@ -30,7 +30,6 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from pydantic import ConfigDict, StrictBool, StrictInt, StrictStr
-from starlette.concurrency import run_in_threadpool
 
 from common.requests import FinishReason
 from common.status import Code, ServiceError
@@ -327,14 +326,14 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
         generation = supervisor.generate(proto, timeout=None)
         answer = Answer(body)
         if not body.stream:
-            chunks = await until_done(request, generation, lambda: list(generation))
+            chunks = await until_done(request, generation, generation.collect)
             answer.take_whole(chunks)
             final = answer.body(chunks[-1])
             if body.store:
                 store.put(final, answer.conversation_after(conversation))
             return final
-        chunks = iter(generation)
-        first = await until_done(request, generation, lambda: next(chunks, None))
+        chunks = aiter(generation)
+        first = await until_done(request, generation, lambda: anext(chunks, None))
 
         async def events():
             yield answer.event("response.created", response=answer.body())
@@ -434,7 +433,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                             store.put(final, answer.conversation_after(conversation))
                         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                         yield answer.event(kind, response=final)
-                    chunk = await run_in_threadpool(next, chunks, None)
+                    chunk = await anext(chunks, None)
             except ServiceError as error:
                 yield answer.event("error", code=error.code.name.lower(), message=error.message, param=error.param)
 

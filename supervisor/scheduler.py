@@ -103,14 +103,19 @@ class Scheduler:
         runner.join(self.config.drain_grace + self.config.kill_timeout + 5)
         return runner
 
-    @contextlib.contextmanager
-    def acquire(self, name: str, timeout: float | None):
+    def acquire_runner(self, name: str, timeout: float | None) -> ManagedRunner:
+        """The model's runner once it serves: started if stopped, waited for while it starts or restarts. Blocks
+        only while it is not serving (the front door calls it on the loop when it is)."""
         runner = self.runner(name)
         if runner.state == State.FAILED:
             self._raise_for(runner)
         runner = self.load(name, wait=True, timeout=timeout)
         runner.last_used = time.monotonic()
-        yield runner
+        return runner
+
+    @contextlib.contextmanager
+    def acquire(self, name: str, timeout: float | None):
+        yield self.acquire_runner(name, timeout)
 
     def _expire_idle(self) -> None:
         while not self._stop.wait(0.5):

@@ -1,23 +1,30 @@
-"""The public gRPC API (proto/supervisor.proto) and the supervisor's wiring and shutdown."""
+"""The public gRPC API (proto/supervisor.proto) and the supervisor's wiring and shutdown.
+
+The gRPC API, the HTTP APIs and the runner channels that relay generations all run on one asyncio loop, the
+front door (``supervisor.front_door``); the rest of the supervisor (runner supervision, the memory watch, the
+scheduler) runs on threads.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
 import time
-from concurrent import futures
 
 import grpc
+import grpc.aio
 import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import __version__
 from common.defaults import CHANNEL_OPTIONS
-from common.status import StatusInterceptor
+from common.status import AsyncStatusInterceptor
 
 from .config import SupervisorConfig, resolve_gguf
+from .front_door import FrontDoor
 from .generation import Generation, count_tokens
 from .memory import MemoryWatch, RunnerMemory
 from .probes import Metrics, ProbeServer
@@ -32,28 +39,33 @@ STATES = {s: getattr(supervisor_pb2, f"RUNNER_STATE_{s.name}") for s in State}
 
 
 class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
-    """Handlers raise ServiceError; StatusInterceptor gives each its gRPC status."""
+    """Handlers raise ServiceError; AsyncStatusInterceptor gives each its gRPC status. They run on the front
+    door's loop: what may block (loading, unloading) goes to its blocking pool."""
 
     def __init__(self, supervisor: Supervisor):
         self.sup = supervisor
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         generation = self.sup.generate(request, timeout=context.time_remaining())
-        context.add_callback(generation.cancel)  # client gone or deadline passed
-        yield from generation
+        context.add_done_callback(lambda _: generation.cancel())  # client gone or deadline passed
+        async for chunk in generation:
+            yield chunk
 
-    def ListModels(self, request, context):
+    async def ListModels(self, request, context):
         return supervisor_pb2.ListModelsResponse(
             models=[self.sup.status(r) for r in self.sup.scheduler.runners.values()]
         )
 
-    def LoadModel(self, request, context):
-        return self.sup.status(self.sup.scheduler.load(request.model, wait=True, timeout=context.time_remaining()))
+    async def LoadModel(self, request, context):
+        runner = await self.sup.front.blocking_call(
+            self.sup.scheduler.load, request.model, wait=True, timeout=context.time_remaining()
+        )
+        return self.sup.status(runner)
 
-    def UnloadModel(self, request, context):
-        return self.sup.status(self.sup.scheduler.unload(request.model))
+    async def UnloadModel(self, request, context):
+        return self.sup.status(await self.sup.front.blocking_call(self.sup.scheduler.unload, request.model))
 
-    def GetMemory(self, request, context):
+    async def GetMemory(self, request, context):
         runners = self.sup.scheduler.runners
         if request.model:
             selected = [self.sup.scheduler.runner(request.model)]
@@ -67,7 +79,7 @@ class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
             supervisor_rss=psutil.Process().memory_info().rss,
         )
 
-    def GetStatus(self, request, context):
+    async def GetStatus(self, request, context):
         sup = self.sup
         return supervisor_pb2.GetStatusResponse(
             version=__version__,
@@ -79,23 +91,23 @@ class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
         )
 
 
-class BearerToken(grpc.ServerInterceptor):
+class BearerToken(grpc.aio.ServerInterceptor):
     """Every RPC but health needs ``authorization: Bearer TOKEN`` when a token is configured."""
 
     def __init__(self, token: str):
         self.expected = f"Bearer {token}"
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation, details):
+    async def intercept_service(self, continuation, details):
         if details.method.startswith("/grpc.health.v1.Health/"):
-            return continuation(details)
+            return await continuation(details)
         if dict(details.invocation_metadata).get("authorization") == self.expected:
-            return continuation(details)
+            return await continuation(details)
         return self._deny_stream if details.method.endswith("/Generate") else self._deny
 
 
@@ -111,26 +123,15 @@ class Supervisor:
         prepare_runtime_dir(config.runtime_dir)
         self.scheduler = Scheduler(config, on_change=self._on_runner_change)
         self.memory = MemoryWatch(self.scheduler.runners, config.memory_period, on_sample=self._on_memory)
-        interceptors = ([BearerToken(config.auth_token)] if config.auth_token else []) + [StatusInterceptor()]
-        # A handler thread per stream in flight: every model's batch and queue, and room for the rest.
+        interceptors = ([BearerToken(config.auth_token)] if config.auth_token else []) + [AsyncStatusInterceptor()]
+        # Streams in flight: every model's batch and queue, and room for the rest. None holds a thread; the
+        # blocking pool runs waits for a model to load (one per request at most) and health Watch streams.
         streams = min(2048, sum(m.runner.max_batch + m.runner.max_queue for m in config.models.values()))
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=streams + 32, thread_name_prefix="public"),
-            options=CHANNEL_OPTIONS,
-            interceptors=interceptors,
-            maximum_concurrent_rpcs=streams + 64,
-        )
-        supervisor_pb2_grpc.add_SupervisorServicer_to_server(SupervisorService(self), self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        for name in ("", SERVICE_NAME, *config.models):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        if config.tls_cert:
-            credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
-            port = self.server.add_secure_port(config.listen, credentials)
-        else:
-            port = self.server.add_insecure_port(config.listen)
+        self.front = FrontDoor(blocking_threads=streams + 32)
+        self.front.start()
+        self.server, port = self.front.call(self._public_server(interceptors, streams + 64))
         if port == 0 and not config.listen.startswith("unix:"):
+            self.front.stop()
             raise OSError(f"cannot listen on {config.listen}")
         self.port = port
         self.probes = ProbeServer(config.probe_port, self.metrics, self._readiness) if config.probe_port else None
@@ -145,7 +146,6 @@ class Supervisor:
                 config.tls_cert,
                 config.tls_key,
                 grace=config.drain_grace + config.kill_timeout,
-                threads=streams + 32,
             )
 
         if config.http_listen:
@@ -153,6 +153,29 @@ class Supervisor:
         if config.ollama_listen:
             self.ollama_http = http_server(config.ollama_listen)
         self._stopped = threading.Event()
+
+    async def _public_server(self, interceptors, max_streams: int):
+        """The public gRPC server, made on the front door's loop (grpc.aio binds a server to the loop it is made
+        on). Returns it and its port; a port that cannot be bound raises here, at start-up."""
+        config = self.config
+        server = grpc.aio.server(
+            migration_thread_pool=self.front.blocking,  # the health service's sync handlers
+            options=CHANNEL_OPTIONS,
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=max_streams,
+        )
+        supervisor_pb2_grpc.add_SupervisorServicer_to_server(SupervisorService(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        try:
+            if config.tls_cert:
+                credentials = grpc.ssl_server_credentials([(config.tls_key.read_bytes(), config.tls_cert.read_bytes())])
+                port = server.add_secure_port(config.listen, credentials)
+            else:
+                port = server.add_insecure_port(config.listen)
+        except RuntimeError:  # grpc.aio raises where the sync server returned 0
+            port = 0
+        return server, port
 
     def generate(self, request, timeout: float | None) -> Generation:
         """The one internal path of a generation, for the gRPC and the HTTP API alike."""
@@ -166,6 +189,8 @@ class Supervisor:
 
     def _on_runner_change(self, runner: ManagedRunner) -> None:
         serving = runner.state == State.SERVING
+        if serving:
+            self.front.connect(runner)
         self.health.set(
             runner.name,
             health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING,
@@ -246,10 +271,10 @@ class Supervisor:
     # -- life cycle -------------------------------------------------------------
 
     def start(self) -> None:
-        self.server.start()
+        self.front.call(self.server.start())
         for http in (self.http, self.ollama_http):
             if http:
-                http.start()
+                http.start(self.front)
         if self.probes:
             self.probes.start()
         self.memory.start()
@@ -274,15 +299,19 @@ class Supervisor:
         # In-flight streams get drain_grace in their runners; one still running after that is cancelled there
         # and ends with UNAVAILABLE "supervisor shutting down", before gRPC's own grace runs out.
         grace = self.config.drain_grace + self.config.kill_timeout + 1
-        done = self.server.stop(grace)
+        done = self.front.submit(self.server.stop(grace))
         for http in (self.http, self.ollama_http):
             if http:
                 http.begin_stop()
         self.scheduler.stop_all()
-        done.wait(grace + 1)
+        try:
+            done.result(grace + 1)
+        except concurrent.futures.TimeoutError:
+            log.warning("gRPC streams still open after %.0f s", grace + 1)
         for http in (self.http, self.ollama_http):
             if http:
                 http.stop()
+        self.front.stop()
         self.memory.stop()
         if self.probes:
             self.probes.stop()

@@ -18,14 +18,15 @@ def engine() -> Engine:
 @pytest.fixture(scope="session")
 def chat_supervisor(tmp_path_factory):
     """One supervisor for the client API tests (OpenAI's, Anthropic's, Ollama's): SmolLM2 ("smol", the
-    chat model), the default pair ("pair", no chat template, speculates) and a model with no queue ("busy")."""
+    chat model), the default pair ("pair", no chat template, speculates; a client may let 128 rounds wait, so a
+    client that stops reading is cut off within seconds) and a model with no queue ("busy")."""
     from common.defaults import SMOLLM2_DIR
     from tests.helpers import CHAT_TOKEN
     from tests.processes import SupervisorProcess, free_port, model_toml
 
     models = (
         model_toml("smol", target=SMOLLM2_DIR, draft=None)
-        + model_toml("pair")
+        + model_toml("pair", max_pending_rounds=128)
         + model_toml("busy", max_queue=0, max_batch=1)
     )
     # With the cyclic collector off, a stream whose runner call were released only when collected stays held.

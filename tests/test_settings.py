@@ -29,6 +29,7 @@ EVERY_SETTING_CHANGED = RunnerSettings(
     malloc_trim=False,
     max_queue=7,
     max_batch=3,
+    max_pending_rounds=99,
     stall_after=12.5,
     tool_format="pythonic",
     grace=3.0,
