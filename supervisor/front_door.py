@@ -23,6 +23,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import time
 
 import grpc
 
@@ -96,7 +97,10 @@ class FrontDoor:
         """The model's runner, serving: at once when it is, else loaded or waited for on the blocking pool."""
         runner = scheduler.runner(name)
         if runner.state == State.SERVING:
-            return scheduler.acquire_runner(name, timeout)  # nothing to wait for: the scheduler's lock only
+            # Nothing to wait for, and nothing here may wait: the loop serves every client. Should the runner
+            # go away now, its call fails and the generation sends the request again once it is back.
+            runner.last_used = time.monotonic()
+            return runner
         return await self.blocking_call(scheduler.acquire_runner, name, timeout)
 
     def stub(self, runner: ManagedRunner) -> runner_pb2_grpc.RunnerStub:

@@ -104,8 +104,8 @@ class Scheduler:
         return runner
 
     def acquire_runner(self, name: str, timeout: float | None) -> ManagedRunner:
-        """The model's runner once it serves: started if stopped, waited for while it starts or restarts. Blocks
-        only while it is not serving (the front door calls it on the loop when it is)."""
+        """The model's runner once it serves: started if stopped, waited for while it starts or restarts (the
+        front door calls it on a thread of its blocking pool)."""
         runner = self.runner(name)
         if runner.state == State.FAILED:
             self._raise_for(runner)
