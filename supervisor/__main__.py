@@ -1,7 +1,7 @@
 """The supervisor's command line.
 
 python -m supervisor serve [--config FILE] | chat --model NAME | generate --model NAME PROMPT
-                     | models | memory | status
+                     | models | memory | status | top [--once]
 """
 
 from __future__ import annotations
@@ -137,6 +137,10 @@ def client_command(args) -> int:
                     f"of {memory.system_total / 2**20:.0f} MiB; "
                     f"supervisor RSS {memory.supervisor_rss / 2**20:.0f} MiB"
                 )
+            elif args.command == "top":
+                from .top import run as top
+
+                return top(client, args.once, args.interval)
             elif args.command == "status":
                 status = client.get_status()
                 print(
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
     serve_parser = commands.add_parser("serve", help="run the supervisor")
     serve_parser.add_argument("--config", help="TOML file (default: serve the embedded default pair)")
     serve_parser.add_argument("--sample-request", action="store_true", help="answer one sample request once ready")
-    for name in ("chat", "generate", "models", "memory", "status"):
+    for name in ("chat", "generate", "models", "memory", "status", "top"):
         sub = commands.add_parser(name)
         sub.add_argument("--address", default=DEFAULT_LISTEN)
         sub.add_argument("--token", default="", help="bearer token, when the supervisor requires one")
@@ -165,6 +169,9 @@ def main(argv=None) -> int:
             sub.add_argument("--system", default="", help="a system message that opens the conversation")
             sub.add_argument("--max-tokens", type=int, default=1024)
             sub.add_argument("--temperature", type=float, default=0.0)
+        if name == "top":
+            sub.add_argument("--once", action="store_true", help="print one frame and exit (for scripts)")
+            sub.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
         if name == "generate":
             sub.add_argument("--model", default="")
             sub.add_argument("--max-tokens", type=int, default=200)

@@ -144,6 +144,7 @@ class Generation:
             except InvalidRequest as error:
                 raise status_of(error) from None
             metrics = self.sup.metrics
+            generated = metrics.generated
             front = self.sup.front
             resends = 0
             while True:
@@ -166,12 +167,13 @@ class Generation:
                                 metrics.ttft.labels(self.model).observe(time.perf_counter() - started)
                                 first = False
                             chunk = self._as_one_answer(chunk)
-                            self.tokens += len(chunk.token_ids)
+                            relayed = len(chunk.token_ids)
+                            self.tokens += relayed
+                            generated[self.model] = generated.get(self.model, 0) + relayed
                             self.sent_ids += chunk.token_ids
                             self.sent_text += len(chunk.text)
                             if chunk.HasField("stats"):
-                                metrics.tokens.labels(self.model).inc(chunk.stats.generated_tokens)
-                                metrics.acceptance.labels(self.model).set(chunk.stats.acceptance_rate)
+                                metrics.finished(self.model, chunk.stats)
                             yield chunk
                         return
                     except asyncio.CancelledError:

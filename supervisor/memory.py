@@ -75,6 +75,8 @@ class MlxFigures:
     releases: int = 0
     peak_rss: int = 0  # the runner's own high-water RSS
     prompt_cache: object = None  # runner_pb2.PromptCacheStats
+    queued: int = 0  # requests waiting in the runner
+    active_requests: int = 0  # requests it prefills or decodes
 
 
 class RunnerMemory:
@@ -293,7 +295,9 @@ class MemoryWatch:
         if runner.state == State.SERVING and runner.client is not None:
             try:
                 m = runner.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=0.5)
-                memory.mlx = MlxFigures(m.active, m.cache, m.peak, m.releases, m.peak_rss, m.prompt_cache)
+                memory.mlx = MlxFigures(
+                    m.active, m.cache, m.peak, m.releases, m.peak_rss, m.prompt_cache, m.queued, m.active_requests
+                )
                 memory.peak_rss = max(memory.peak_rss, m.peak_rss)
             except grpc.RpcError:
                 pass

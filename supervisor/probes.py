@@ -70,6 +70,38 @@ class Metrics:
             registry=r,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
+        self.drafted = Counter("mlxserve_drafted_tokens", "Tokens proposed by a drafter", ["model"], registry=r)
+        self.accepted = Counter("mlxserve_accepted_tokens", "Drafted tokens the target accepted", ["model"], registry=r)
+        self.draft_rounds = Counter(
+            "mlxserve_draft_rounds",
+            "Rounds that verified a draft (drafted / draft_rounds: mean depth)",
+            ["model"],
+            registry=r,
+        )
+        self.active_requests = Gauge(
+            "mlxserve_active_requests", "Requests the runner is prefilling or decoding", ["model"], registry=r
+        )
+        self.queued_requests = Gauge(
+            "mlxserve_queued_requests", "Requests waiting in the runner", ["model"], registry=r
+        )
+        self.soft_limit = Gauge(
+            "mlxserve_runner_soft_limit_bytes", "The model's soft memory limit (0: none)", ["model"], registry=r
+        )
+        self.hard_limit = Gauge(
+            "mlxserve_runner_hard_limit_bytes", "The model's hard memory limit (0: none)", ["model"], registry=r
+        )
+        self.generated: dict[str, int] = {}  # model -> tokens relayed since start, counted as they go (top's rates)
+        self.last_acceptance: dict[str, float] = {}
+
+    def finished(self, model: str, stats) -> None:
+        """A generation's final figures (its GenerationStats) into the counters."""
+        self.tokens.labels(model).inc(stats.generated_tokens)
+        if stats.drafted:
+            self.acceptance.labels(model).set(stats.acceptance_rate)
+            self.last_acceptance[model] = stats.acceptance_rate
+            self.drafted.labels(model).inc(stats.drafted)
+            self.accepted.labels(model).inc(stats.accepted)
+            self.draft_rounds.labels(model).inc(sum(n for depth, n in stats.depths.items() if depth > 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

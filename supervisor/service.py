@@ -119,6 +119,9 @@ class Supervisor:
         self.started_at = time.time()
         self.shutting_down = threading.Event()
         self.metrics = Metrics()
+        for name, model in config.models.items():
+            self.metrics.soft_limit.labels(name).set(model.soft_limit or 0)
+            self.metrics.hard_limit.labels(name).set(model.hard_limit or 0)
         self.health = health.HealthServicer()
         prepare_runtime_dir(config.runtime_dir)
         self.scheduler = Scheduler(config, on_change=self._on_runner_change)
@@ -214,6 +217,8 @@ class Supervisor:
         m.mlx_active.labels(name).set(memory.mlx.active)
         m.releases.labels(name).set(memory.mlx.releases)
         m.soft_releases.labels(name).set(memory.soft_releases)
+        m.active_requests.labels(name).set(memory.mlx.active_requests)
+        m.queued_requests.labels(name).set(memory.mlx.queued)
         cache = memory.mlx.prompt_cache
         if cache is not None:
             m.prompt_cache_entries.labels(name).set(cache.entries)
@@ -247,6 +252,8 @@ class Supervisor:
             history_samples=len(memory.history),
             estimate=self._estimate(runner),
             prompt_cache=memory.mlx.prompt_cache if runner.pid else None,
+            queued=memory.mlx.queued if runner.pid else 0,
+            active_requests=memory.mlx.active_requests if runner.pid else 0,
         )
         if current is not None and runner.pid:
             sample.rss, sample.anonymous, sample.pss, sample.uss = (
@@ -266,6 +273,8 @@ class Supervisor:
             target=str(runner.model.target),
             draft=str(runner.model.draft or ""),
             in_flight=runner.in_flight,
+            generated_tokens=self.metrics.generated.get(runner.name, 0),
+            acceptance_rate=self.metrics.last_acceptance.get(runner.name, 0.0),
         )
 
     # -- life cycle -------------------------------------------------------------
