@@ -1,0 +1,19 @@
+"""The benchmarks draw their figures: a short run of the release rule's writes a PNG with both runs."""
+
+from __future__ import annotations
+
+from bench import release_rule
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_short_release_rule_run_writes_its_figure_and_table(tmp_path, capsys):
+    path = tmp_path / "release_rule.png"
+    release_rule.run(tokens=300, path=path)
+    data = path.read_bytes()
+    assert data.startswith(PNG) and len(data) > 20_000  # a drawn figure, not an empty canvas
+    table = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| o")}
+    assert set(rows) == {"on", "off"}
+    assert int(rows["on"].split("|")[2]) >= 1  # the rule released at the 256-token boundary
+    assert int(rows["off"].split("|")[2]) == 0
