@@ -56,6 +56,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.progress import byte_bar, spinner
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -307,14 +309,15 @@ def requantized(data, kind: str, bits: int) -> dict:
     }
 
 
-def read_tensors(reader) -> dict:
+def read_tensors(reader, advance=lambda nbytes: None) -> dict:
     """Every tensor, from ``gguf``'s reader, under mx.load's names: float tensors as they are, quantized ones in
-    MLX's affine layout at their ``BITS``."""
+    MLX's affine layout at their ``BITS``. ``advance`` is told each tensor's bytes once it is read."""
     import mlx.core as mx
     from gguf.quants import dequantize
 
     weights = {}
     for tensor in reader.tensors:
+        advance(int(tensor.n_bytes))
         kind = tensor.tensor_type.name
         if kind in FLOAT_TYPES:
             values = dequantize(tensor.data, tensor.tensor_type) if kind == "BF16" else tensor.data
@@ -687,19 +690,24 @@ def import_gguf(source: str | Path, out_dir: str | Path) -> Path:
     check_magic(source)
     reader = open_reader(source)
     types = tensor_types(reader)
+    name = source.name
     if all(kind in FLOAT_TYPES or kind in QUANTIZED_TYPES for kind in types.values()):
-        weights, metadata = load_gguf(source)  # exact; says clearly when the file is cut short
+        with spinner(f"{name}: reading {len(types)} tensors"):
+            weights, metadata = load_gguf(source)  # exact; says clearly when the file is cut short
         check_supported(metadata, types)
     else:
         metadata = read_metadata(reader)
         check_supported(metadata, types)
-        weights = read_tensors(reader)
+        total = sum(int(tensor.n_bytes) for tensor in reader.tensors)
+        with byte_bar(f"{name}: {len(types)} tensors", total) as advance:
+            weights = read_tensors(reader, advance)
     tokenizer = build_tokenizer(metadata)
     quantization = quantization_entry(types, metadata["general.architecture"])
     config = model_config(metadata, weights, quantization)
-    converted = convert_weights(weights, config)
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), converted, metadata={"format": "mlx"})
+    with spinner(f"{name}: converting and writing {out / 'model.safetensors'}"):
+        converted = convert_weights(weights, config)
+        out.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(out / "model.safetensors"), converted, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(metadata), indent=2) + "\n")

@@ -5,16 +5,21 @@ lays it out). Answers stream as they come; after each one a line gives its
 tokens, tokens per second and draft acceptance. ``/bye`` or Ctrl-D leaves;
 Ctrl-C stops the answer being written (what was written stays in the
 conversation) without leaving; ``/clear`` starts the conversation again.
+On a terminal, a spinner runs while the prompt is read (a long one prefills
+for seconds) and clears itself when the first token arrives.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import signal
 import sys
 import threading
 
 import grpc
+
+from common.progress import spinner
 
 from .client import SupervisorClient
 from .protocol import supervisor_pb2
@@ -90,7 +95,10 @@ class Chat:
         answer, last = [], None
         try:
             with ctrl_c_cancels(call) as stopped:
-                for last in call:
+                with spinner("reading the prompt", file=self.out):  # a long prompt prefills: until the first token
+                    chunks = iter(call)
+                    first = next(chunks, None)
+                for last in itertools.chain([first] if first is not None else [], chunks):
                     answer.append(last.text)
                     self.out.write(last.text)
                     self.out.flush()

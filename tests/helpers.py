@@ -379,3 +379,43 @@ def mlx_lm_greedy(model, prompt_ids, max_tokens: int) -> tuple[list[int], list[f
         tokens.append(token)
         gaps.append(first - second)
     return tokens, gaps
+
+
+def on_a_terminal(args: list[str], env: dict, steps=(), timeout: float = 120) -> tuple[int, str]:
+    """Run ``args`` with a pseudo-terminal as its stdin, stdout and stderr (as a person at a terminal runs it):
+    for each ``(text, reply)`` of ``steps``, wait until ``text`` has appeared, then type ``reply``; then read to
+    the end. Returns the exit status and everything it wrote, escape sequences included."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import time
+
+    master, slave = pty.openpty()
+    process = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    out = bytearray()
+    deadline = time.monotonic() + timeout
+
+    def read_until(done) -> None:
+        while not done() and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.1)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # the other end closed: the process has exited
+                    return
+                if not data:
+                    return
+                out.extend(data)
+
+    try:
+        for text, reply in steps:
+            read_until(lambda text=text: text.encode() in out)
+            os.write(master, reply.encode())
+        read_until(lambda: False)
+        return process.wait(max(1.0, deadline - time.monotonic())), out.decode(errors="replace")
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(master)

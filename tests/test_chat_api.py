@@ -21,7 +21,7 @@ import pytest
 
 from common.protocol import runner_pb2
 from supervisor.protocol import supervisor_pb2
-from tests.helpers import CHAT_TOKEN
+from tests.helpers import CHAT_TOKEN, on_a_terminal
 from tests.processes import child_environment, wait_until
 
 TOKEN = CHAT_TOKEN
@@ -418,6 +418,21 @@ def test_terminal_chat_leaves_on_end_of_input(sup):
         env=child_environment(),
     )
     assert done.returncode == 0 and "chatting with smol" in done.stdout
+
+
+def test_terminal_chat_spins_while_the_prompt_is_read_on_a_terminal_only(sup):
+    """On a terminal a spinner runs until the first token (and clears itself); through a pipe nothing of it."""
+    args = [sys.executable, "-m", "supervisor", "chat", "--model", "smol", "--address", f"127.0.0.1:{sup.port}"]
+    args += ["--token", TOKEN, "--max-tokens", "8"]
+    env = child_environment() | {"TERM": "xterm-256color", "COLUMNS": "100"}
+    status, screen = on_a_terminal(args, env, [(">>> ", "What is the capital of France?\n"), (" tok/s", "/bye\n")])
+    assert status == 0, screen
+    assert "reading the prompt" in screen and " tok/s" in screen
+    piped = subprocess.run(
+        args, input="What is the capital of France?\n/bye\n", capture_output=True, text=True, timeout=120, env=env
+    )
+    assert piped.returncode == 0 and " tok/s" in piped.stdout
+    assert "reading the prompt" not in piped.stdout + piped.stderr and "\x1b[" not in piped.stdout + piped.stderr
 
 
 # -- hostile requests: one judge of the fields, one wording, never a 5xx ------------------------------------

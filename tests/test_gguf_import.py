@@ -20,7 +20,7 @@ from gguf import GGUFReader
 
 from common.protocol import runner_pb2
 from runner.gguf import build_tokenizer, open_reader, read_metadata
-from tests.helpers import gguf_like_llama_cpp, mlx_lm_greedy, redrawn, tiny_gguf
+from tests.helpers import gguf_like_llama_cpp, mlx_lm_greedy, on_a_terminal, redrawn, tiny_gguf
 from tests.processes import REPO, RunnerProcess, child_environment
 
 VOCAB_DIR = REPO / ".whl" / "vocab"
@@ -192,3 +192,15 @@ def test_a_gguf_imports_and_serves_a_chat(tmp_path, vocab_name, architecture):
     assert "".join(c.text for c in chunks) == tokenizer.decode(tokens)
     # A raw prompt: <s> ▁Hello ▁world for Llama 2 (BOS from the tokenizer); "Hello", " world" for Qwen (no BOS).
     assert plain[-1].stats.prompt_tokens == (3 if vocab_name == "llama-spm" else 2)
+
+
+def test_the_import_shows_its_progress_on_a_terminal_and_nothing_through_a_pipe(tmp_path):
+    gguf_file = tiny_gguf(tmp_path / "model.gguf", vocabulary("qwen2"), "qwen2")
+    env = child_environment() | {"TERM": "xterm-256color", "COLUMNS": "100"}
+    args = [sys.executable, "-m", "runner.gguf", str(gguf_file)]
+    status, screen = on_a_terminal(args + [str(tmp_path / "a")], env)
+    assert status == 0, screen
+    assert "model.gguf: reading" in screen and "converting and writing" in screen
+    piped = subprocess.run(args + [str(tmp_path / "b")], capture_output=True, text=True, timeout=300, env=env)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stderr == "" and piped.stdout.startswith("imported ")
