@@ -42,10 +42,10 @@ def byte_bar(description: str, total: int, file=None):
 
 @contextlib.contextmanager
 def spinner(message: str, file=None):
-    """A spinner with ``message`` while the block runs."""
+    """A spinner with ``message`` while the block runs; yields ``update(message)`` to change what it says."""
     console = _console(file)
     if not console.is_terminal:
-        yield
+        yield lambda message: None
         return
-    with console.status(message):
-        yield
+    with console.status(message) as status:
+        yield lambda message: status.update(message)

@@ -21,7 +21,7 @@ import grpc
 
 from common.progress import spinner
 
-from .client import SupervisorClient
+from .client import SupervisorClient, loading_line
 from .protocol import supervisor_pb2
 
 PROMPT = ">>> "
@@ -143,7 +143,30 @@ class Chat:
             self.turn(text)
 
 
+def wait_loaded(client: SupervisorClient, model: str, out=sys.stdout) -> None:
+    """Load ``model`` if it is not serving, with a line saying how far its load has got (on a terminal)."""
+    if not model or client.model(model).state == supervisor_pb2.RUNNER_STATE_SERVING:
+        return
+
+    def load() -> None:
+        with contextlib.suppress(grpc.RpcError):  # a load that fails: the first turn says why
+            client.load_model(model)
+
+    loading = threading.Thread(target=load, daemon=True)
+    loading.start()
+    with spinner(f"loading {model}", file=out) as update:
+        while loading.is_alive():
+            status = client.model(model)
+            if status.state == supervisor_pb2.RUNNER_STATE_STARTING:
+                update(loading_line(status))
+            loading.join(0.25)
+
+
 def main(args) -> int:
     with SupervisorClient(args.address, token=args.token) as client:
+        try:
+            wait_loaded(client, args.model)
+        except (grpc.RpcError, StopIteration):  # no such model, or the supervisor is not there: the chat says so
+            pass
         chat = Chat(client, args.model, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature)
         return chat.run()

@@ -41,10 +41,20 @@ class SupervisorClient(HealthCheckedClient):
         return next(m for m in self.list_models().models if m.name == name)
 
 
+def loading_line(model) -> str:
+    """How far a starting model's load has got: its seconds so far, against its last load's."""
+    line = f"loading {model.name}: {model.loading_s:.1f} s"
+    if model.last_load_s:
+        line += f" (the last load took {model.last_load_s:.1f} s)"
+    return line
+
+
 def format_models(models, memory: bool = False) -> str:
     lines = []
     for m in models:
         line = f"{m.name:<16} {STATE_NAMES[m.state]:<9} pid {m.pid:<7} restarts {m.restarts:<3} {m.reason}"
+        if m.state == supervisor_pb2.RUNNER_STATE_STARTING:
+            line += f" ({loading_line(m)})"
         if memory:
             s = m.memory
             line += (

@@ -93,6 +93,8 @@ class ManagedRunner:
         self.prompt_cache_budget: int | None = None  # set by the scheduler before each start
         self.batch_memory_budget: int | None = None  # likewise
         self.restarts = 0
+        self.starting_since: float | None = None  # monotonic time this start began, while STARTING
+        self.last_load_s = 0.0  # spawn to SERVING, the last time it started
         self.failures = 0  # consecutive, reset after a stable period
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.last_used = time.monotonic()
@@ -237,16 +239,21 @@ class ManagedRunner:
         except OSError as error:
             return f"cannot start: {error}"
         self.client = RunnerClient(self.address)
+        self.starting_since = time.monotonic()
         self._set(State.STARTING, f"pid {self.process.pid}")
         try:
             failure = self._wait_until_serving()
             if failure is not None:
+                self.starting_since = None
                 self._kill()
                 return failure
             try:
                 self.info = self.client.stub.Info(runner_pb2.InfoRequest(), timeout=5)
             except grpc.RpcError:
                 self.info = None
+            if self.starting_since is not None:
+                self.last_load_s = time.monotonic() - self.starting_since
+            self.starting_since = None
             self._set(State.SERVING, f"pid {self.process.pid}")
             return self._watch()
         finally:

@@ -275,6 +275,8 @@ class Supervisor:
             in_flight=runner.in_flight,
             generated_tokens=self.metrics.generated.get(runner.name, 0),
             acceptance_rate=self.metrics.last_acceptance.get(runner.name, 0.0),
+            loading_s=time.monotonic() - runner.starting_since if runner.starting_since is not None else 0.0,
+            last_load_s=runner.last_load_s,
         )
 
     # -- life cycle -------------------------------------------------------------

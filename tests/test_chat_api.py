@@ -420,6 +420,19 @@ def test_terminal_chat_leaves_on_end_of_input(sup):
     assert done.returncode == 0 and "chatting with smol" in done.stdout
 
 
+def test_terminal_chat_loads_its_model_first_with_a_progress_line(sup):
+    """A model that is not loaded is loaded before the first prompt, with a line saying so (on a terminal)."""
+    sup.client.unload_model("busy")
+    assert sup.client.model("busy").state == supervisor_pb2.RUNNER_STATE_STOPPED
+    args = [sys.executable, "-m", "supervisor", "chat", "--model", "busy", "--address", f"127.0.0.1:{sup.port}"]
+    env = child_environment() | {"TERM": "xterm-256color", "COLUMNS": "100"}
+    status, screen = on_a_terminal(args + ["--token", TOKEN], env, [(">>> ", "/bye\n")])
+    assert status == 0, screen
+    assert "loading busy" in screen and screen.index("loading busy") < screen.index(">>> ")
+    assert sup.client.model("busy").state == supervisor_pb2.RUNNER_STATE_SERVING
+    assert sup.client.model("busy").last_load_s > 0
+
+
 def test_terminal_chat_spins_while_the_prompt_is_read_on_a_terminal_only(sup):
     """On a terminal a spinner runs until the first token (and clears itself); through a pipe nothing of it."""
     args = [sys.executable, "-m", "supervisor", "chat", "--model", "smol", "--address", f"127.0.0.1:{sup.port}"]
