@@ -80,6 +80,7 @@ def measure(
     chat: bool,
     clients_on: tuple = CLIENTS,
     clients_off: tuple = CLIENTS,
+    figure: str | None = None,
 ) -> None:
     """``clients_off``: the loads also run one at a time (a large one-at-a-time load takes long and its
     aggregate rate hardly moves with the number of clients: bench/device.py runs a few)."""
@@ -116,12 +117,50 @@ def measure(
                 f"| {r['refused']}{' failed ' + str(r['failed']) if r['failed'] else ''} |"
             )
     print()
+    if figure:
+        from .figures import FIGURES, line_figure
+
+        def series(key: str, scale: float = 1.0) -> list:
+            return [
+                (
+                    f"batching {mode}",
+                    [c for c in sorted(counts) if (mode, c) in rows],
+                    [rows[(mode, c)][key] * scale for c in sorted(counts) if (mode, c) in rows],
+                )
+                for mode, counts in (("on", clients_on), ("off", clients_off))
+            ]
+
+        path = line_figure(
+            FIGURES / figure,
+            f"Batching: {label}",
+            [
+                {"title": "aggregate throughput", "x": "concurrent clients", "y": "tok/s", "series": series("rate")},
+                {
+                    "title": "time to first token, p95",
+                    "x": "concurrent clients",
+                    "y": "seconds",
+                    "series": series("p95"),
+                    "log_y": True,
+                },
+            ],
+        )
+        print(
+            f"![Aggregate tok/s and p95 time to first token against clients, batching on and off](figures/{path.name})\n"
+        )
 
 
 def run() -> None:
     from tests.processes import model_toml
 
-    measure("default pair (a lone request speculates with its draft)", model_toml("pair"), "pair", 2, 128, False)
+    measure(
+        "default pair (a lone request speculates with its draft)",
+        model_toml("pair"),
+        "pair",
+        2,
+        128,
+        False,
+        figure="batching_pair.png",
+    )
     measure(
         "SmolLM2-135M-Instruct, float32 (alone: n-gram drafting)",
         model_toml("smol", target=SMOLLM2_DIR, draft=None),

@@ -295,8 +295,9 @@ def batching() -> None:
 
 def prompt_cache() -> None:
     from bench import prompt_cache as bench
+    from bench.figures import FIGURES
 
-    bench.run(quick=QUICK, malloc_table=False)
+    bench.run(quick=QUICK, malloc_table=False, figure=FIGURES / "prompt_cache_gpu.png")
 
 
 PARTS = {

@@ -115,7 +115,7 @@ def malloc_trim_rss(trim: bool) -> list[int]:
     return rss
 
 
-def run(quick: bool = False, malloc_table: bool = True) -> None:
+def run(quick: bool = False, malloc_table: bool = True, figure: Path | None = None) -> None:
     """``quick``: two turns of 8-token answers (bench/device.py on a CPU); ``malloc_table``: the RSS that
     malloc_trim returns (host memory: bench/device.py leaves it out)."""
     turns, answer = (2, 8) if quick else (len(QUESTIONS), ANSWER_TOKENS)
@@ -124,7 +124,7 @@ def run(quick: bool = False, malloc_table: bool = True) -> None:
         "| model | cache | turn | prompt tokens | from the cache | time to first token | vs turn 1 | RSS after the turn |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    summary = []
+    summary, series = [], {}
     for label, folder, draft, chat in (
         ("SmolLM2 (chat template)", SMOLLM2_DIR, None, True),
         ("default pair (plain text turns)", DEFAULT_TARGET, DEFAULT_DRAFT, False),
@@ -137,8 +137,32 @@ def run(quick: bool = False, malloc_table: bool = True) -> None:
                     f"| {label} | {'on' if cache else 'off'} | {n} | {t['prompt']} | {t['cached']} | "
                     f"{t['ttft'] * 1000:.0f} ms | {t['ttft'] / cold:.0%} | {t['rss'] / 2**20:.0f} MiB |"
                 )
+            series.setdefault(label, []).append(
+                (
+                    f"prompt cache {'on' if cache else 'off'}",
+                    [t["prompt"] for t in measured],
+                    [t["ttft"] * 1000 for t in measured],
+                )
+            )
             later = [t["ttft"] / cold for t in measured[1:]]
             summary.append((label, cache, statistics.mean(later), max(later)))
+    from .figures import FIGURES, line_figure
+
+    path = line_figure(
+        figure or FIGURES / "prompt_cache.png",
+        f"Time to first token as a {turns}-turn chat grows, prompt cache on and off",
+        [
+            {
+                "title": label,
+                "x": "prompt tokens (the whole conversation)",
+                "y": "time to first token (ms)",
+                "series": lines,
+                "log_y": True,
+            }
+            for label, lines in series.items()
+        ],
+    )
+    print(f"\n![Time to first token against prompt length, prompt cache on and off](figures/{path.name})")
     print(f"\n| model | cache | turns 2-{turns}: mean time to first token vs turn 1 | worst |")
     print("| --- | --- | --- | --- |")
     for label, cache, mean, worst in summary:

@@ -205,3 +205,20 @@ def model_toml(name: str, target=DEFAULT_TARGET, draft=DEFAULT_DRAFT, **settings
     for key, value in settings.items():
         lines.append(f"{key} = {str(value).lower() if isinstance(value, bool) else repr(value)}")
     return "\n".join(lines) + "\n"
+
+
+def resumed_on_a_new_runner(sup: SupervisorProcess, model: str, old_pid: int, timeout: float = 60) -> int:
+    """The pid of ``model``'s restarted runner once it serves the resumed request (in flight on it). A chunk
+    read after a death proves nothing: chunks the dead runner sent may still be in the connections' buffers."""
+    from supervisor.protocol import supervisor_pb2
+
+    found = {}
+
+    def resumed() -> bool:
+        status = sup.client.model(model)
+        found["pid"] = status.pid
+        serving = status.state == supervisor_pb2.RUNNER_STATE_SERVING
+        return serving and status.pid not in (0, old_pid) and status.in_flight == 1
+
+    assert wait_until(resumed, timeout, interval=0.05), f"{model}: the answer was not resumed on a new runner"
+    return found["pid"]

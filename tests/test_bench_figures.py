@@ -17,3 +17,20 @@ def test_a_short_release_rule_run_writes_its_figure_and_table(tmp_path, capsys):
     assert set(rows) == {"on", "off"}
     assert int(rows["on"].split("|")[2]) >= 1  # the rule released at the 256-token boundary
     assert int(rows["off"].split("|")[2]) == 0
+
+
+def test_a_line_figure_has_a_panel_per_measure(tmp_path):
+    from bench.figures import line_figure
+
+    path = line_figure(
+        tmp_path / "batching.png",
+        "Batching",
+        [
+            {"title": "throughput", "x": "clients", "y": "tok/s", "series": [("on", [1, 2, 4], [100, 190, 350])]},
+            {"title": "p95", "x": "clients", "y": "s", "series": [("off", [1, 2, 4], [0.1, 0.5, 2.0])], "log_y": True},
+        ],
+    )
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert width > 1.8 * height  # two panels side by side

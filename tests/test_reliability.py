@@ -21,7 +21,13 @@ from common.defaults import DEFAULT_TARGET
 from common.protocol import runner_pb2
 from supervisor.client import SupervisorClient
 from supervisor.protocol import supervisor_pb2
-from tests.processes import SupervisorProcess, model_toml, serve_expecting_refusal, wait_until
+from tests.processes import (
+    SupervisorProcess,
+    model_toml,
+    resumed_on_a_new_runner,
+    serve_expecting_refusal,
+    wait_until,
+)
 
 PROMPT = "The for statement is used to iterate over the elements of a sequence"
 DOCUMENTED = {
@@ -263,9 +269,9 @@ def test_a_runner_that_dies_mid_stream_is_resumed_and_the_answer_is_the_uninterr
     # Killed twice: the second time the client is told, naming the model and the signal.
     call = pair.client.generate(timeout=120, model="one", prompt=PROMPT, max_tokens=4000, ignore_eos=True)
     next(call)
-    os.kill(pair.client.model("one").pid, signal.SIGKILL)
-    next(call)  # resumed on the restarted runner
-    os.kill(pair.client.model("one").pid, signal.SIGSEGV)
+    first = pair.client.model("one").pid
+    os.kill(first, signal.SIGKILL)
+    os.kill(resumed_on_a_new_runner(pair, "one", first), signal.SIGSEGV)
     code, _ = outcome(lambda: call)
     assert code == grpc.StatusCode.UNAVAILABLE and "SIGSEGV" in call.details() and "one" in call.details()
     assert pair.client.wait_serving(60, service="one")
@@ -534,10 +540,13 @@ def test_runner_exit_code_1_mid_stream(tmp_path):
     sup = SupervisorProcess(tmp_path, model_toml("frail", debug_rpcs=True)).wait_ready()
     try:
         call = sup.client.generate(timeout=120, model="frail", prompt=PROMPT, max_tokens=4000, ignore_eos=True)
-        for _ in range(2):
-            next(call)
+        next(call)
+        for death in range(2):
+            pid = sup.client.model("frail").pid
             with RunnerClient(f"unix://{sup.runtime_dir}/frail.sock") as runner:
                 runner.stub.DebugExit(runner_pb2.DebugExitRequest(code=1), timeout=5)
+            if death == 0:
+                resumed_on_a_new_runner(sup, "frail", pid)
         code, _ = outcome(lambda: call)
         assert code == grpc.StatusCode.UNAVAILABLE and "exited with code 1" in call.details()
         assert "resuming the answer" in sup.stderr

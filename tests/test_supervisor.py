@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from supervisor.protocol import supervisor_pb2
-from tests.processes import SupervisorProcess, model_toml, wait_until
+from tests.processes import SupervisorProcess, model_toml, resumed_on_a_new_runner, wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PROMPT = "The for statement is used to iterate over the elements of a sequence"
@@ -126,8 +126,7 @@ def test_runner_killed_mid_stream_twice_gives_unavailable_and_is_restarted(two_m
     call = sup.client.generate(timeout=120, model="alpha", prompt=PROMPT, max_tokens=4000, ignore_eos=True)
     next(call)
     os.kill(victim.pid, signal.SIGKILL)
-    next(call)  # resumed
-    os.kill(sup.client.model("alpha").pid, signal.SIGKILL)
+    os.kill(resumed_on_a_new_runner(sup, "alpha", victim.pid), signal.SIGKILL)
     killed_at = time.monotonic()
     with pytest.raises(grpc.RpcError) as caught:
         for _ in call:
