@@ -25,6 +25,18 @@ PROMPT = "The for statement is used to iterate over the elements of a sequence"
 QUESTION = "Tell me about the history of the city number {i} on your list of European capitals."
 
 
+def concurrently(clients: int, client) -> float:
+    """``client(c)`` for c in range(clients), each on its own thread, all at once: the wall time until the last
+    has finished."""
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started
+
+
 def load(sup, model: str, clients: int, requests: int, tokens: int, chat: bool) -> dict:
     from supervisor.protocol import supervisor_pb2
 
@@ -54,13 +66,7 @@ def load(sup, model: str, clients: int, requests: int, tokens: int, chat: bool) 
                     else:
                         failed.append(error.code().name)
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - started
+    wall = concurrently(clients, client)
     ttfts.sort()
     return {
         "rate": generated[0] / wall,

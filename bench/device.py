@@ -162,7 +162,7 @@ print(json.dumps({"generated": last.stats.generated_tokens, "releases": engine.t
 """
 
 
-def _fresh_process(script: str, *args: str, env: dict | None = None) -> dict | str:
+def fresh_process(script: str, *args: str, env: dict | None = None) -> dict | str:
     """Run ``script`` in a fresh Python process: the JSON object its last line prints, or (it failed) its
     last line of errors."""
     from tests.processes import child_environment
@@ -183,7 +183,7 @@ def memory() -> None:
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for release in ("on", "off"):
-        r = _fresh_process(MEMORY_ONE, release, str(tokens))
+        r = fresh_process(MEMORY_ONE, release, str(tokens))
         if isinstance(r, str):
             print(f"| {release} | failed: {r} |")
             continue
@@ -225,7 +225,7 @@ def new_shapes() -> None:
     print(f"## new shapes: one prompt decoded twice ({tokens} tokens), median ms per round, default pair\n")
     results = {}
     for rule in ("1", "0"):
-        r = _fresh_process(NEW_SHAPES_ONE, str(tokens), env={"MLXSERVE_PLAIN_ATTENTION": rule})
+        r = fresh_process(NEW_SHAPES_ONE, str(tokens), env={"MLXSERVE_PLAIN_ATTENTION": rule})
         if isinstance(r, str):
             print(f"rule {rule}: failed: {r}\n")
             continue

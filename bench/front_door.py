@@ -18,10 +18,11 @@ import json
 import statistics
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import psutil
+
+from .batching import concurrently
 
 CLIENTS = 16
 REQUESTS = 2
@@ -47,13 +48,7 @@ def load(send, clients: int = CLIENTS, requests: int = REQUESTS, tokens: int = T
                 totals["tokens"] += generated
                 totals["chunks"] += chunks
 
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    totals["wall"] = time.perf_counter() - started
+    totals["wall"] = concurrently(clients, client)
     return totals
 
 

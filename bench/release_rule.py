@@ -11,9 +11,6 @@ shows the figure where it explains why the project exists.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 TOKENS = 4096
@@ -42,18 +39,12 @@ print(json.dumps({"samples": samples, "releases": engine.total_releases}))
 
 def measure(release: bool, tokens: int) -> dict:
     """One generation in a fresh process: its per-round samples and its release count."""
-    from tests.processes import child_environment
+    from .device import fresh_process
 
-    done = subprocess.run(
-        [sys.executable, "-c", ONE, "on" if release else "off", str(tokens)],
-        capture_output=True,
-        text=True,
-        env=child_environment(),
-        timeout=1800,
-    )
-    if done.returncode:
-        raise RuntimeError(f"release rule measurement failed: {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = fresh_process(ONE, "on" if release else "off", str(tokens))
+    if isinstance(result, str):
+        raise RuntimeError(f"release rule measurement failed: {result}")
+    return result
 
 
 def figure(runs: dict[bool, dict], path: Path, tokens: int) -> Path:

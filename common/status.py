@@ -51,6 +51,15 @@ def status_of(error: BaseException) -> ServiceError:
     return ServiceError(Code.INTERNAL, f"internal error: {type(error).__name__}: {error}")
 
 
+def logged_status(error: BaseException) -> ServiceError:
+    """``status_of(error)``, with an unexpected error (INTERNAL) logged with its traceback: what both
+    interceptors answer."""
+    status = status_of(error)
+    if status.code == Code.INTERNAL:
+        log.error("%s", status.message, exc_info=error)
+    return status
+
+
 class StatusInterceptor(grpc.ServerInterceptor):
     """Turns every exception a handler raises into the gRPC status ``status_of`` gives it.
 
@@ -78,9 +87,7 @@ class StatusInterceptor(grpc.ServerInterceptor):
         Exception to end the call) goes on as it is."""
         if type(error) is Exception:
             raise error
-        status = status_of(error)
-        if status.code == Code.INTERNAL:
-            log.error("%s", status.message, exc_info=error)
+        status = logged_status(error)
         context.abort(status.code, status.message)
 
     def _unary(self, behavior):
@@ -125,9 +132,7 @@ class AsyncStatusInterceptor(grpc.aio.ServerInterceptor):
     async def _abort(context, error: BaseException):
         if isinstance(error, grpc.aio.AbortError):  # an abort under way goes on as it is
             raise error
-        status = status_of(error)
-        if status.code == Code.INTERNAL:
-            log.error("%s", status.message, exc_info=error)
+        status = logged_status(error)
         await context.abort(status.code, status.message)
 
     def _unary(self, behavior):

@@ -83,7 +83,7 @@ class FrontDoor:
 
     def call(self, coroutine, timeout: float | None = None):
         """Run ``coroutine`` on the loop from another thread and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+        return self.submit(coroutine).result(timeout)
 
     def submit(self, coroutine) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
