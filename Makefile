@@ -54,4 +54,4 @@ run: install real-model
 	$(BIN)/python -m supervisor serve --sample-request
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .whl models/smollm2
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .whl models/smollm2 models/gemma3-270m

@@ -174,4 +174,5 @@ def run() -> None:
         1,
         48,
         True,
+        figure="batching_smol.png",
     )

@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct: prompt processing, generation and RSS, through the runner vs mlx-lm in-process.
+"""The real models (SmolLM2-135M-Instruct, Gemma 3 270M): prompt processing, generation and RSS, through the
+runner vs mlx-lm in-process.
 
 Both sides get the same chat prompt (~270 tokens) and generate the same number
 of greedy tokens, once with the weights as stored (4-bit, dtype "checkpoint")
@@ -15,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common.defaults import SMOLLM2_DIR
+from common.defaults import GEMMA3_DIR, SMOLLM2_DIR
 
 GENERATED = 128
 SYSTEM = (
@@ -54,11 +55,17 @@ print(json.dumps({"prompt_tokens": len(prompt), "prefill_s": first - start, "dec
 """
 
 
-def mlx_lm_side(dtype: str) -> dict:
+MODELS = (
+    ("SmolLM2-135M-Instruct (Q4_1 GGUF, imported)", SMOLLM2_DIR),
+    ("Gemma 3 270M (Q4_K_M GGUF, imported; 15 of 18 layers slide over 512 tokens)", GEMMA3_DIR),
+)
+
+
+def mlx_lm_side(folder: Path, dtype: str) -> dict:
     from tests.processes import child_environment
 
     done = subprocess.run(
-        [sys.executable, "-c", MLX_LM_SIDE, str(SMOLLM2_DIR), dtype, str(GENERATED), json.dumps(MESSAGES)],
+        [sys.executable, "-c", MLX_LM_SIDE, str(folder), dtype, str(GENERATED), json.dumps(MESSAGES)],
         capture_output=True,
         text=True,
         env=child_environment(),
@@ -67,16 +74,16 @@ def mlx_lm_side(dtype: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def runner_side(dtype: str) -> dict:
+def runner_side(folder: Path, dtype: str) -> dict:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from common.protocol import runner_pb2
     from tests.processes import RunnerProcess
 
-    prompt = load_tokenizer(SMOLLM2_DIR).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    with tempfile.TemporaryDirectory() as folder:
+    prompt = load_tokenizer(folder).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    with tempfile.TemporaryDirectory() as sockets:
         runner = RunnerProcess(
-            Path(folder) / "sockets", "--dtype", dtype, target=SMOLLM2_DIR, draft=None, name="smollm2"
+            Path(sockets) / "sockets", "--dtype", dtype, target=folder, draft=None, name=folder.name
         ).wait_serving(300)
         try:
             last = None
@@ -97,13 +104,18 @@ def runner_side(dtype: str) -> dict:
 
 
 def run() -> None:
-    print(f"## real model: SmolLM2-135M-Instruct (Q4_1 GGUF, imported), chat prompt, {GENERATED} greedy tokens\n")
+    for label, folder in MODELS:
+        table(label, folder)
+
+
+def table(model: str, folder: Path) -> None:
+    print(f"## real model: {model}, chat prompt, {GENERATED} greedy tokens\n")
     print(
         "| weights | path | prompt tokens | prompt tok/s | generation tok/s | peak RSS | vs mlx-lm (prompt / generation) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for dtype, label in (("checkpoint", "4-bit as stored"), ("float32", "dequantized to float32 (auto)")):
-        ours, theirs = runner_side(dtype), mlx_lm_side(dtype)
+        ours, theirs = runner_side(folder, dtype), mlx_lm_side(folder, dtype)
         rates = {}
         for name, r in (("runner over gRPC", ours), ("mlx-lm generate_step, in-process", theirs)):
             rates[name] = (r["prompt_tokens"] / r["prefill_s"], r["generated"] / r["decode_s"])

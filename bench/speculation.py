@@ -17,9 +17,11 @@ which has nothing to copy from the input and is not what a user waits for.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
@@ -195,13 +197,55 @@ def run(
     reference_depths=None,
     prompts_per_kind: int = 3,
     tables: tuple = ("pair", "smol"),
+    figure: str | None = "speculation.png",
 ) -> None:
     """Both tables (or those named in ``tables``); bench/device.py runs it with other sizes (deeper on a GPU,
     shorter on a quick CPU run) and one table per step, so a step out of time loses only its own."""
+    measured = {}
     if "pair" in tables:
-        _pair_table(pair_tokens, depths, reference_depths, prompts_per_kind)
+        measured["default pair"] = _pair_table(pair_tokens, depths, reference_depths, prompts_per_kind)
     if "smol" in tables:
-        _smol_table(smol_tokens, ngram_depths, prompts_per_kind)
+        measured["SmolLM2-135M"] = _smol_table(smol_tokens, ngram_depths, prompts_per_kind)
+    if figure:
+        path = speed_up_figure(measured, figure)
+        print(f"![Speed-up over plain decoding against draft depth, per decoder](figures/{path.name})\n")
+
+
+DEPTH = re.compile(r"^(?P<decoder>.+), k = (?P<k>\d+)$")
+
+
+def speed_up_figure(measured: dict, name: str) -> Path:
+    """One panel per model and prompt kind: each fixed-depth decoder's speed-up over our plain decoding against
+    its depth k, the adaptive decoders as dashed levels, 1.0 (plain) as the floor to beat."""
+    from .figures import FIGURES, line_figure
+
+    panels = []
+    for model, results in measured.items():
+        base = results["ours, plain"]
+        for kind in base:
+            series: dict[str, tuple[list, list]] = {}
+            levels = [("plain (ours)", 1.0)]
+            for label, by_kind in results.items():
+                ratio = by_kind[kind].rate / base[kind].rate
+                depth = DEPTH.match(label)
+                if depth:
+                    xs, ys = series.setdefault(depth["decoder"], ([], []))
+                    xs.append(int(depth["k"]))
+                    ys.append(ratio)
+                elif "adaptive" in label or label == "mlx-lm generate_step":
+                    levels.append((label.replace(" (default)", ", default"), ratio))
+            panels.append(
+                {
+                    "title": f"{model}, {kind} prompts",
+                    "x": "draft depth k",
+                    "y": "speed-up over plain decoding",
+                    "series": [(decoder, xs, ys) for decoder, (xs, ys) in series.items()],
+                    "levels": levels,
+                }
+            )
+    return line_figure(
+        FIGURES / name, "Speculative decoding: speed-up against draft depth", panels, columns=min(2, len(panels))
+    )
 
 
 def _pair_table(pair_tokens: int, depths, reference_depths, prompts_per_kind: int) -> None:
@@ -221,7 +265,7 @@ def _pair_table(pair_tokens: int, depths, reference_depths, prompts_per_kind: in
         ("ours, n-gram, adaptive", lambda p: ours(pair, p, n, False, drafter="ngram")),
         ("ours, draft model, adaptive (default)", lambda p: ours(pair, p, n, False)),
     ]
-    table("default pair (draft model)", pair, n, False, rows, prompts_per_kind)
+    return table("default pair (draft model)", pair, n, False, rows, prompts_per_kind)
 
 
 def _smol_table(smol_tokens: int, ngram_depths, prompts_per_kind: int) -> None:
@@ -235,4 +279,6 @@ def _smol_table(smol_tokens: int, ngram_depths, prompts_per_kind: int) -> None:
     ]
     rows += [("ours, n-gram, adaptive (default)", lambda p: ours(smol, p, n, True))]
     dtype = smol.target.compute_dtype
-    table(f"SmolLM2-135M-Instruct in {dtype} (no draft model: n-gram lookup)", smol, n, True, rows, prompts_per_kind)
+    return table(
+        f"SmolLM2-135M-Instruct in {dtype} (no draft model: n-gram lookup)", smol, n, True, rows, prompts_per_kind
+    )

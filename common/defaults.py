@@ -11,6 +11,7 @@ MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_TARGET = MODELS_DIR / "default" / "target"
 DEFAULT_DRAFT = MODELS_DIR / "default" / "draft"
 SMOLLM2_DIR = MODELS_DIR / "smollm2"  # make real-model (outside git)
+GEMMA3_DIR = MODELS_DIR / "gemma3-270m"  # make real-model (outside git): Gemma 3 270M, base model, Q4_K_M
 
 # Decoding.
 DEFAULT_NUM_DRAFT_TOKENS = 1  # best fixed k in bench/speculation.py on the default pair; seeded sampling uses it

@@ -10,7 +10,8 @@ and serves here like any other.
 
 What it handles: the llama architecture (Llama 1-3, Mistral, SmolLM, TinyLlama
 and the rest of that family), qwen2 (Qwen2, Qwen2.5, DeepSeek-R1-Distill-Qwen),
-qwen3 and phi3 (Phi-3 mini), with F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+qwen3, phi3 (Phi-3 mini), gemma3 (Gemma 3 text models, 270M to 27B: sliding-
+window layers interleaved with global ones) and gemma2, with F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
 IQ4_NL, IQ4_XS and the K-quants (Q2_K to Q6_K: the Q4_K_M, Q5_K_M, Q3_K_M...
 files most GGUF downloads are), and a byte-level BPE (``gpt2``: GPT-2, Llama 3,
 SmolLM) or SentencePiece (``llama``: Llama 1-2, Mistral v0.1, TinyLlama, Phi-3)
@@ -45,7 +46,12 @@ another kind of vocabulary or pre-tokenizer) is refused with one
 GGUF stores llama's Q and K projection rows interleaved for RoPE (llama.cpp
 permutes them on export); the importer puts them back in Hugging Face's order,
 so the folder uses mlx-lm's ordinary llama RoPE, as an mlx-community folder does.
-Qwen's rows are stored in Hugging Face's order and stay as they are.
+Qwen's and Gemma's rows are stored in Hugging Face's order and stay as they are.
+Gemma's RMSNorm scales by 1 + weight: llama.cpp stores 1 + weight, so the
+importer takes the 1 off again for mlx-lm's Gemma layers; what the files leave
+out (Gemma 3's layer pattern, its local RoPE base, the attention scale, and a
+chat template for base models) is filled in as llama.cpp fills it in
+(``gemma_config``, ``GEMMA_CHAT_TEMPLATE``).
 """
 
 from __future__ import annotations
@@ -69,10 +75,34 @@ class Architecture:
     head_dim_key: str | None  # the metadata key giving the head width, where it may differ from hidden / heads
     default_rope_theta: float
     names: tuple = ()  # (GGUF name, mlx-lm name) pairs that differ from LAYER_NAMES' for this architecture
+    one_plus_norms: bool = False  # Gemma: RMSNorm scales by 1 + weight; llama.cpp stores 1 + weight, mlx-lm weight
 
     def layer_name(self, gguf_name: str) -> str | None:
         return dict(self.names).get(gguf_name, LAYER_NAMES.get(gguf_name))
 
+
+GEMMA_NAMES = (
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+)
+# Gemma 3's layer pattern and local RoPE base, which its GGUF files do not store (llama.cpp fixes them too).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# Gemma's chat format, for files that carry no template (base models such as gemma-3-270m): the one in
+# Google's tokenizer_config.json, text only: a system message goes in front of the first user turn.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
 
 ARCHITECTURES = {
     "llama": Architecture("llama", "LlamaForCausalLM", True, "rope.dimension_count", 10000.0),
@@ -87,7 +117,14 @@ ARCHITECTURES = {
         10000.0,
         (("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
     ),
+    # Gemma 2 and 3: a norm before and after both the attention and the MLP; Gemma 3 adds Q/K norms and
+    # interleaves sliding-window layers with global ones (``gemma_config``).
+    "gemma2": Architecture("gemma2", "Gemma2ForCausalLM", False, "attention.key_length", 10000.0, GEMMA_NAMES, True),
+    "gemma3": Architecture(
+        "gemma3_text", "Gemma3ForCausalLM", False, "attention.key_length", 1000000.0, GEMMA_NAMES, True
+    ),
 }
+BY_MODEL_TYPE = {spec.model_type: arch for arch, spec in ARCHITECTURES.items()}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # GGML tensor types whose data mx.load returns unchanged (float) or exactly in MLX's affine layout (quantized).
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -399,10 +436,58 @@ def model_config(metadata: dict, weights: dict, quantization: dict | None) -> di
         config["partial_rotary_factor"] = rotary / head_dim
     if arch == "phi3":
         config["original_max_position_embeddings"] = config["max_position_embeddings"]
+    if arch in ("gemma2", "gemma3"):
+        config.update(gemma_config(metadata, config))
     if quantization is not None:
         config["quantization"] = quantization
         config["quantization_config"] = quantization
     return config
+
+
+def gemma_config(metadata: dict, config: dict) -> dict:
+    """What mlx-lm's gemma2 / gemma3_text read beyond llama's keys.
+
+    - Attention scale: 1 / sqrt(head_dim), except the 27B models (46 layers in Gemma 2, 62 in Gemma 3), which
+      scale by hidden / heads; llama.cpp decides it the same way, as the files do not store it.
+    - Gemma 3: a sliding window on five layers of every six, with a local RoPE base of 10,000.
+    - Gemma 2: mlx-lm's gemma2 attends over the whole context on every layer, where Gemma 2 alternates
+      sliding-window layers (4,096) with global ones; the two agree while the context fits the window, so the
+      context is capped at the window rather than serving answers that part from the model's past it.
+    """
+    arch = metadata["general.architecture"]
+    p = f"{arch}."
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    big = layers == (46 if arch == "gemma2" else 62)
+    extra = {"query_pre_attn_scalar": hidden // heads if big else config["head_dim"]}
+    window = int(scalar(metadata, p + "attention.sliding_window", 4096))
+    if arch == "gemma3":
+        extra |= {
+            "sliding_window": window,
+            "sliding_window_pattern": sliding_window_pattern(metadata.get(p + "attention.sliding_window_pattern")),
+            "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+        }
+    else:
+        extra |= {
+            "attn_logit_softcapping": float(scalar(metadata, p + "attn_logit_softcapping", 50.0)),
+            "final_logit_softcapping": float(scalar(metadata, p + "final_logit_softcapping", 30.0)),
+            "max_position_embeddings": min(config["max_position_embeddings"], window),
+        }
+    return extra
+
+
+def sliding_window_pattern(stored) -> int:
+    """Gemma 3's period of sliding and global layers (every n-th layer is global): llama.cpp's fixed 6 where the
+    file does not say; a number as it is; a list of per-layer flags (true = sliding) if it repeats one period,
+    the only layout mlx-lm's gemma3_text builds."""
+    if stored is None:
+        return GEMMA3_SLIDING_WINDOW_PATTERN
+    if not isinstance(stored, (list, tuple)) and getattr(stored, "ndim", 1) == 0:
+        return int(stored.item() if hasattr(stored, "item") else stored)
+    flags = [bool(flag) for flag in as_list(stored)]
+    period = flags.index(False) + 1 if False in flags else 0
+    if period == 0 or any(flag != ((i + 1) % period != 0) for i, flag in enumerate(flags)):
+        raise GGUFImportError(f"unsupported sliding-window layout {flags} (supported: every n-th layer global)")
+    return period
 
 
 def check_supported(metadata: dict, types: dict[str, str]) -> None:
@@ -437,12 +522,14 @@ def unpermute_rows(array, n_head: int):
 
 def convert_weights(weights: dict, config: dict) -> dict:
     """GGUF arrays (weight/scales/biases, and bias) under mlx-lm's names, llama's Q/K rows back in HF order."""
-    permuted = ARCHITECTURES[config["model_type"]].permuted_qk
+    arch = BY_MODEL_TYPE[config["model_type"]]
+    spec = ARCHITECTURES[arch]
+    permuted = spec.permuted_qk
     converted = {}
     unknown = []
     for name, array in weights.items():
         base, _, suffix = name.rpartition(".")
-        target = mlx_name(f"{base}.weight", config["model_type"])
+        target = mlx_name(f"{base}.weight", arch)
         if target is None:
             unknown.append(name)
             continue
@@ -451,6 +538,8 @@ def convert_weights(weights: dict, config: dict) -> dict:
             array = unpermute_rows(array, config["num_attention_heads"])
         elif permuted and ".attn_k." in name:
             array = unpermute_rows(array, config["num_key_value_heads"])
+        elif spec.one_plus_norms and base.endswith("norm"):
+            array = array - 1.0  # llama.cpp wrote 1 + weight (its RMSNorm multiplies by the weight as it is)
         converted[target] = array
     if unknown:
         raise GGUFImportError(
@@ -674,6 +763,8 @@ def tokenizer_config(metadata: dict) -> dict:
     }
     if "tokenizer.chat_template" in metadata:
         config["chat_template"] = metadata["tokenizer.chat_template"]
+    elif metadata["general.architecture"] in ("gemma2", "gemma3"):
+        config["chat_template"] = GEMMA_CHAT_TEMPLATE
     return {k: v for k, v in config.items() if v is not None}
 
 

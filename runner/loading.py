@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import dequantize_model, get_total_parameters
 
 from common.errors import ModelLoadError
@@ -78,6 +78,16 @@ class LoadedModel:
         """Its caches can be taken back past rejected drafts (speculative decoding needs it): trimmed,
         or restored and fed again (``runner.rewind``)."""
         return rewindable(make_prompt_cache(self.model))
+
+    @property
+    def sliding_window(self) -> int:
+        """Tokens its sliding-window layers (mlx-lm's ``RotatingKVCache``) attend to; 0 where none slide."""
+        windows = [c.max_size for c in make_prompt_cache(self.model) if isinstance(c, RotatingKVCache)]
+        return max(windows, default=0)
+
+    @property
+    def sliding_layers(self) -> int:
+        return sum(isinstance(c, RotatingKVCache) for c in make_prompt_cache(self.model))
 
     def cache_description(self) -> str:
         kinds = sorted({type(c).__name__ for c in make_prompt_cache(self.model)})

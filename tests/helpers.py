@@ -304,7 +304,8 @@ def gguf_like_llama_cpp(
 ):
     """``model`` (an mlx-lm model, Hugging Face's layout) written to GGUF as llama.cpp's ``convert_hf_to_gguf.py``
     writes it: tensor names from ``gguf``'s own name map, llama's Q/K rows permuted for llama.cpp's RoPE
-    (``LlamaModel.permute``), the architecture's hyperparameters under its keys, and the tokenizer (and chat
+    (``LlamaModel.permute``), Gemma's norms stored as 1 + weight (``Gemma2Model`` / ``Gemma3Model``), the
+    architecture's hyperparameters under its keys, and the tokenizer (and chat
     template, unless ``chat_template`` replaces it) of ``vocabulary``, a ``gguf.GGUFReader`` of a vocabulary-only
     GGUF. Tensors are float32, or with ``quantized`` the projections Q8_0 and the embedding F16."""
     import gguf
@@ -313,7 +314,7 @@ def gguf_like_llama_cpp(
     from gguf.quants import quantize
     from mlx.utils import tree_flatten
 
-    arch = config["model_type"]
+    arch = {"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
     kind = next(kind for kind, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(kind, config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(destination), arch)
@@ -337,6 +338,11 @@ def gguf_like_llama_cpp(
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(config.get("sliding_window", 4096))
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.get("attn_logit_softcapping", 50.0))
+        writer.add_final_logit_softcapping(config.get("final_logit_softcapping", 30.0))
 
     def permute(weights, n_head):  # convert_hf_to_gguf.py's LlamaModel.permute
         return (
@@ -352,6 +358,8 @@ def gguf_like_llama_cpp(
             data = permute(data, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             data = permute(data, kv_heads)
+        elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            data = data + 1
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if quantized and name.endswith("_proj.weight"):
             writer.add_tensor(

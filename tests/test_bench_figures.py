@@ -34,3 +34,28 @@ def test_a_line_figure_has_a_panel_per_measure(tmp_path):
 
     height, width = matplotlib.image.imread(path).shape[:2]
     assert width > 1.8 * height  # two panels side by side
+
+
+def test_the_speculation_figure_has_a_panel_per_model_and_prompt_kind(tmp_path, monkeypatch):
+    import matplotlib.image
+
+    from bench import figures, speculation
+    from bench.speculation import Tally
+
+    def kinds(rate: float) -> dict:
+        return {
+            "prose": Tally(generated=int(rate), seconds=1.0),
+            "input-grounded": Tally(generated=int(rate), seconds=1.0),
+        }
+
+    results = {
+        "ours, plain": kinds(100),
+        "mlx-lm generate_step": kinds(110),
+        **{f"ours, draft model, k = {k}": kinds(100 + 10 * k) for k in (1, 2, 4)},
+        **{f"mlx-lm speculative_generate_step, k = {k}": kinds(105 + 10 * k) for k in (1, 2, 4)},
+        "ours, draft model, adaptive (default)": kinds(135),
+    }
+    monkeypatch.setattr(figures, "FIGURES", tmp_path)
+    path = speculation.speed_up_figure({"default pair": results, "SmolLM2-135M": results}, "speculation.png")
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert height > 800 and 1.0 < width / height < 1.5  # four panels, two by two: two models x two prompt kinds

@@ -83,6 +83,16 @@ ARCHITECTURE_CONFIGS = {
     "qwen2": {"rope_theta": 1000000.0},  # Q/K/V biases
     "qwen3": {"head_dim": 32, "rope_theta": 1000000.0},  # Q/K norms; heads wider than hidden / heads
     "phi3": {"rope_theta": 10000.0},  # Q/K/V in one projection, gate and up in another
+    # Four norms a layer, stored as 1 + weight; attention scaled by 1 / sqrt(head_dim); logits soft-capped
+    "gemma2": {"head_dim": 32, "rope_theta": 10000.0, "query_pre_attn_scalar": 32},
+    # Q/K norms too, and five layers of six slide over a window (4 tokens here, so the 12 tokens pass it)
+    "gemma3_text": {
+        "head_dim": 32,
+        "rope_theta": 1000000.0,
+        "query_pre_attn_scalar": 32,
+        "num_hidden_layers": 6,
+        "sliding_window": 4,
+    },
 }
 
 

@@ -94,7 +94,7 @@ def bad_ggufs(folder):
         truncated.write_bytes(f.read(5_000_000))
     not_gguf = folder / "notes.gguf"
     not_gguf.write_text("this is a text file, not a model\n" * 10)
-    gemma = write_gguf(folder / "gemma.gguf", "gemma2", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
+    mamba = write_gguf(folder / "mamba.gguf", "mamba", {"token_embd.weight": (np.zeros((8, 32), np.float32), None)})
     iq = write_gguf(
         folder / "iq2.gguf",
         "llama",
@@ -109,7 +109,7 @@ def bad_ggufs(folder):
     return [
         (truncated, "extends past the end of the file"),
         (not_gguf, "is not a GGUF file"),
-        (gemma, "unsupported architecture 'gemma2'"),
+        (mamba, "unsupported architecture 'mamba'"),
         (iq, "unsupported quantization type IQ2_XXS"),
         (unigram, "unsupported tokenizer model 't5'"),
     ]
