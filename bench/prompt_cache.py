@@ -115,7 +115,75 @@ def malloc_trim_rss(trim: bool) -> list[int]:
     return rss
 
 
-def run(quick: bool = False, malloc_table: bool = True, figure: Path | None = None) -> None:
+def disk_tier_runs(folder: Path, draft, prompt: list[int]) -> dict:
+    """A ~3000-token prefix: its cold prefill, a hit in memory, and a hit from disk after kill -9 and a restart."""
+    import signal
+
+    from tests.processes import RunnerProcess
+
+    def first_token(runner, suffix: int):
+        chunks = list(
+            runner.client.generate(timeout=900, prompt_ids=prompt + [suffix, suffix + 1], max_tokens=2, ignore_eos=True)
+        )
+        return chunks[-1].stats
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cold = RunnerProcess(tmp / "cold", "--prompt-cache", "0", target=folder, draft=draft).wait_serving(300)
+        try:
+            first_token(cold, 300)  # warm-up: the first prefill of a process pays for its kernels
+            cold_stats = first_token(cold, 310)
+        finally:
+            cold.stop()
+        dir_args = ("--prompt-cache-dir", str(tmp / "prompts"))
+        before = RunnerProcess(tmp / "before", *dir_args, target=folder, draft=draft).wait_serving(300)
+        first_token(before, 320)
+        memory_stats = first_token(before, 330)
+        written = before.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5).prompt_cache
+        before.process.send_signal(signal.SIGKILL)
+        before.process.wait(30)
+        after = RunnerProcess(tmp / "after", *dir_args, target=folder, draft=draft).wait_serving(300)
+        try:
+            disk_stats = first_token(after, 340)
+            read = after.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5).prompt_cache
+        finally:
+            after.stop()
+    return {
+        "prompt": cold_stats.prompt_tokens,
+        "cold": cold_stats.time_to_first_token_s,
+        "memory": memory_stats.time_to_first_token_s,
+        "disk": disk_stats.time_to_first_token_s,
+        "cached": disk_stats.cached_tokens,
+        "file": read.disk_bytes,
+        "write": written.disk_write_s / max(written.disk_writes, 1),
+        "read": read.disk_read_s,
+    }
+
+
+def disk_tier_table() -> None:
+    import random
+
+    prefix = random.Random(5).choices(range(10, 4000), k=3000)
+    print("\n### prompt cache disk tier: a 3000-token prefix after kill -9 and a restart of the runner\n")
+    print(
+        "| model | time to first token: cold | memory hit | disk hit after the restart | disk hit vs cold "
+        "| from the cache | file | write (per entry) | check and load |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, folder, draft in (
+        ("default pair", DEFAULT_TARGET, DEFAULT_DRAFT),
+        ("SmolLM2 (float32)", SMOLLM2_DIR, None),
+    ):
+        r = disk_tier_runs(folder, draft, prefix)
+        print(
+            f"| {label} | {r['cold'] * 1000:.0f} ms | {r['memory'] * 1000:.0f} ms | {r['disk'] * 1000:.0f} ms "
+            f"| {r['disk'] / r['cold']:.0%} | {r['cached']} of {r['prompt']} | {r['file'] / 2**20:.0f} MiB "
+            f"| {r['write'] * 1000:.0f} ms | {r['read'] * 1000:.0f} ms |"
+        )
+    print()
+
+
+def run(quick: bool = False, malloc_table: bool = True, figure: Path | None = None, disk_table: bool = True) -> None:
     """``quick``: two turns of 8-token answers (bench/device.py on a CPU); ``malloc_table``: the RSS that
     malloc_trim returns (host memory: bench/device.py leaves it out)."""
     turns, answer = (2, 8) if quick else (len(QUESTIONS), ANSWER_TOKENS)
@@ -167,6 +235,8 @@ def run(quick: bool = False, malloc_table: bool = True, figure: Path | None = No
     print("| --- | --- | --- | --- |")
     for label, cache, mean, worst in summary:
         print(f"| {label} | {'on' if cache else 'off'} | {mean:.0%} | {worst:.0%} |")
+    if disk_table and not quick:
+        disk_tier_table()
     if quick or not malloc_table:
         return
     with_trim, without = malloc_trim_rss(True), malloc_trim_rss(False)

@@ -32,6 +32,7 @@ DEFAULT_DTYPE = "auto"
 # The runner process.
 DEFAULT_MAX_QUEUE = 512  # requests that may wait for a place in the batch (Ollama waits up to 512)
 DEFAULT_MAX_PENDING_ROUNDS = 4096  # rounds a slow client may let wait before its request is stopped
+DEFAULT_PROMPT_CACHE_DISK = 8 * 2**30  # the prompt cache's disk tier, when prompt_cache_dir is set
 DEFAULT_MAX_BATCH = 16  # requests decoded together; chosen from bench/batching.py
 DEFAULT_STALL_AFTER = 30.0  # seconds without progress of the MLX thread before health says NOT_SERVING
 DEFAULT_GRACE = 10.0

@@ -30,6 +30,7 @@ from .defaults import (
     DEFAULT_NGRAM_MIN,
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_PREFILL_SCORE_BYTES,
+    DEFAULT_PROMPT_CACHE_DISK,
     DEFAULT_RELEASE_INTERVAL,
     DEFAULT_STALL_AFTER,
     DTYPES,
@@ -191,6 +192,15 @@ class RunnerSettings:
         None,
         "size",
         "bytes of KV caches kept for prefix reuse (0 = off; default: derived from memory, supervisor/memory.py)",
+    )
+    prompt_cache_dir: Path | None = setting(
+        None,
+        "path",
+        "a folder where the prompt cache also keeps its entries, so warm prefixes survive restarts "
+        "(runner/prompt_disk.py); none = memory only",
+    )
+    prompt_cache_disk: int = setting(
+        DEFAULT_PROMPT_CACHE_DISK, "size", "bytes the prompt cache's files in prompt_cache_dir may take"
     )
     batch_memory: int | None = setting(
         None,

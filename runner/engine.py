@@ -108,7 +108,9 @@ class Engine:
         self.cache_limit = apply_cache_limit(settings.cache_limit)
         self.total_releases = 0
         budget = settings.prompt_cache
-        self.prompt_cache = PromptCache(default_prompt_cache_bytes() if budget is None else budget)
+        self.prompt_cache = PromptCache(
+            default_prompt_cache_bytes() if budget is None else budget, self._disk_tier(settings)
+        )
         self.cache_cost = CacheCost.measure(target.model)  # what a request's cache costs, per token and per row
         self.drafters = self._available_drafters()
         self.default_drafter = self._default_drafter()
@@ -120,6 +122,21 @@ class Engine:
             for name in self.drafters
             if name != "none"
         }
+
+    def _disk_tier(self, settings: RunnerSettings):
+        """The prompt cache's disk tier in ``prompt_cache_dir`` (runner.prompt_disk), keyed by both models and the
+        dtype they compute in; None when unset, or (logged) when the folder cannot be used."""
+        if settings.prompt_cache_dir is None or settings.prompt_cache == 0:
+            return None
+        from .prompt_disk import DiskTier, identity_of
+
+        dtype = "/".join(m.compute_dtype for m in filter(None, (self.target, self.draft)))
+        identity = identity_of(self.target.path, self.draft.path if self.draft else None, dtype)
+        try:
+            return DiskTier(settings.prompt_cache_dir, settings.prompt_cache_disk, identity)
+        except OSError as error:
+            log.warning("prompt cache: %s cannot be used (%s): memory only", settings.prompt_cache_dir, error)
+            return None
 
     def _available_drafters(self) -> dict[str, str]:
         """drafter -> "" when usable, else why not."""

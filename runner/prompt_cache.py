@@ -15,6 +15,11 @@ entries go when a new one would pass ``budget``. The memory policy can empty it
 Caches that cannot be trimmed (recurrent or hybrid layers, ``ArraysCache``) are
 reused only when the whole entry is a prefix of the new prompt: there is no
 way to take such a state back to an earlier token.
+
+With a disk tier (``runner.prompt_disk``, the ``prompt_cache_dir`` setting),
+entries are also written to disk as they are stored, and a lookup that finds
+a longer shared prefix on disk than in memory loads that entry back into
+memory first: warm prefixes survive the runner's restarts.
 """
 
 from __future__ import annotations
@@ -85,8 +90,9 @@ class Hit:
 
 
 class PromptCache:
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, disk=None):
         self.budget = budget
+        self.disk = disk  # a runner.prompt_disk.DiskTier, or None
         self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()
         self._next_key = 0
         self.nbytes = 0
@@ -94,6 +100,7 @@ class PromptCache:
         self.misses = 0
         self.reused_tokens = 0
         self.evictions = 0
+        self.disk_hits = 0  # hits whose entry came back from disk
 
     @property
     def entries(self) -> int:
@@ -110,7 +117,7 @@ class PromptCache:
 
     def lookup(self, prompt: list[int]) -> Hit:
         """The longest cached prefix of ``prompt`` (never the whole prompt: its last token must be run)."""
-        if not self.enabled or not self._entries:
+        if not self.enabled or not (self._entries or (self.disk is not None and self.disk.entries)):
             self.misses += 1
             return Hit(0, None)
         best_key, best = None, MIN_REUSE_TOKENS - 1
@@ -121,6 +128,13 @@ class PromptCache:
                 continue  # an untrimmable state is usable only whole
             if shared > best:
                 best_key, best = key, shared
+        if self.disk is not None:
+            name, shared = self.disk.best(prompt, limit)
+            loaded = self.disk.load(name) if name is not None and shared > best else None
+            key = self._insert(*loaded) if loaded is not None else None  # into memory, not written again
+            if key is not None:  # (None: larger than the memory budget)
+                best_key, best = key, shared
+                self.disk_hits += 1
         if best_key is None:
             self.misses += 1
             return Hit(0, None)
@@ -131,22 +145,30 @@ class PromptCache:
         return Hit(best, [trimmed_copy(layers, best) if layers else layers for layers in entry.caches])
 
     def store(self, tokens: list[int], caches: list[list]) -> int:
-        """Keep the caches of a finished request (which no longer uses them); returns bytes evicted."""
+        """Keep the caches of a finished request (which no longer uses them), on disk too when there is a disk
+        tier; returns bytes evicted from memory."""
         if not self.enabled or not tokens:
             return 0
+        if self.disk is not None:
+            self.disk.store(tokens, caches)
+        return self._insert(tokens, caches, evicted_bytes=True)
+
+    def _insert(self, tokens: list[int], caches: list[list], evicted_bytes: bool = False) -> int | None:
+        """Put an entry in memory; returns the bytes evicted for it (``evicted_bytes``) or its key."""
         nbytes = cache_bytes(caches)
         if nbytes > self.budget:
-            return 0
+            return 0 if evicted_bytes else None
         # An entry that is a prefix of the new one adds nothing the new one does not hold.
         for key in [k for k, e in self._entries.items() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
             self._drop(key)
         evicted = 0
         while self._entries and self.nbytes + nbytes > self.budget:
             evicted += self._evict_oldest()
-        self._entries[self._next_key] = Entry(list(tokens), caches, nbytes)
+        key = self._next_key
+        self._entries[key] = Entry(list(tokens), caches, nbytes)
         self._next_key += 1
         self.nbytes += nbytes
-        return evicted
+        return evicted if evicted_bytes else key
 
     def _drop(self, key: int) -> int:
         entry = self._entries.pop(key)

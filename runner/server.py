@@ -135,6 +135,14 @@ def prompt_cache_stats(cache) -> runner_pb2.PromptCacheStats:
         misses=cache.misses,
         reused_tokens=cache.reused_tokens,
         evictions=cache.evictions,
+        disk_budget=cache.disk.budget if cache.disk else 0,
+        disk_bytes=cache.disk.nbytes if cache.disk else 0,
+        disk_entries=len(cache.disk.entries) if cache.disk else 0,
+        disk_hits=cache.disk_hits,
+        disk_failures=cache.disk.failures if cache.disk else 0,
+        disk_writes=cache.disk.writes if cache.disk else 0,
+        disk_write_s=cache.disk.write_seconds if cache.disk else 0.0,
+        disk_read_s=cache.disk.read_seconds if cache.disk else 0.0,
     )
 
 

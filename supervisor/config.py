@@ -172,6 +172,22 @@ def _model_path(key: str, value, base: Path) -> Path | None:
     return _folder(key, path)
 
 
+def _cache_dir(key: str, value: Path | None, base: Path) -> Path | None:
+    """A folder the runner writes to (``~`` expanded, relative to the config's folder); made when missing, and
+    refused at load when it cannot be."""
+    if value is None:
+        return None
+    path = value.expanduser()
+    path = path if path.is_absolute() else base / path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(key, f"cannot make {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise ConfigError(key, f"{path} is not writable")
+    return path
+
+
 def _model(name: str, table: dict, base: Path) -> ModelConfig:
     p = f"models.{name}."
     if not isinstance(table, dict):
@@ -187,6 +203,7 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
         settings,
         target=_model_path(f"{p}target", settings.target, base),
         draft=_model_path(f"{p}draft", settings.draft, base),
+        prompt_cache_dir=_cache_dir(f"{p}prompt_cache_dir", settings.prompt_cache_dir, base),
     )
     soft = parse_size(f"{p}soft_limit", table.pop("soft_limit", 0))
     hard = parse_size(f"{p}hard_limit", table.pop("hard_limit", 0))

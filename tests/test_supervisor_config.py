@@ -201,3 +201,17 @@ def test_the_supervisor_serves_a_gguf_file_named_in_its_config(tmp_path):
     finally:
         assert terminate(supervisor.process, 30) == 0
     assert "Paris" in reply.choices[0].message.content
+
+
+def test_prompt_cache_dir_is_relative_to_the_config_and_made_or_refused_naming_its_key(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(f'[models.m]\ntarget = "{DEFAULT_TARGET}"\nprompt_cache_dir = "cache/prompts"\n')
+    runner = load(path).models["m"].runner
+    assert runner.prompt_cache_dir == tmp_path / "cache" / "prompts" and runner.prompt_cache_dir.is_dir()
+    assert "--prompt-cache-dir" in runner.to_argv()  # the runner gets it
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    path.write_text(f'[models.m]\ntarget = "{DEFAULT_TARGET}"\nprompt_cache_dir = "{blocker}/prompts"\n')
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    assert "models.m.prompt_cache_dir: cannot make" in str(caught.value)

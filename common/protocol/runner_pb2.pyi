@@ -361,7 +361,7 @@ class MemoryResponse(_message.Message):
     def __init__(self, active: _Optional[int] = ..., cache: _Optional[int] = ..., peak: _Optional[int] = ..., cache_limit: _Optional[int] = ..., memory_limit: _Optional[int] = ..., releases: _Optional[int] = ..., rss: _Optional[int] = ..., queued: _Optional[int] = ..., busy: _Optional[bool] = ..., peak_rss: _Optional[int] = ..., prompt_cache: _Optional[_Union[PromptCacheStats, _Mapping]] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class PromptCacheStats(_message.Message):
-    __slots__ = ("budget", "bytes", "entries", "hits", "misses", "reused_tokens", "evictions")
+    __slots__ = ("budget", "bytes", "entries", "hits", "misses", "reused_tokens", "evictions", "disk_budget", "disk_bytes", "disk_entries", "disk_hits", "disk_failures", "disk_writes", "disk_write_s", "disk_read_s")
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +369,14 @@ class PromptCacheStats(_message.Message):
     MISSES_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    DISK_HITS_FIELD_NUMBER: _ClassVar[int]
+    DISK_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITES_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITE_S_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_S_FIELD_NUMBER: _ClassVar[int]
     budget: int
     bytes: int
     entries: int
@@ -376,7 +384,15 @@ class PromptCacheStats(_message.Message):
     misses: int
     reused_tokens: int
     evictions: int
-    def __init__(self, budget: _Optional[int] = ..., bytes: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    disk_budget: int
+    disk_bytes: int
+    disk_entries: int
+    disk_hits: int
+    disk_failures: int
+    disk_writes: int
+    disk_write_s: float
+    disk_read_s: float
+    def __init__(self, budget: _Optional[int] = ..., bytes: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., disk_budget: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., disk_hits: _Optional[int] = ..., disk_failures: _Optional[int] = ..., disk_writes: _Optional[int] = ..., disk_write_s: _Optional[float] = ..., disk_read_s: _Optional[float] = ...) -> None: ...
 
 class ReleaseMemoryRequest(_message.Message):
     __slots__ = ("prompt_cache",)
