@@ -21,6 +21,7 @@ SECTIONS = (
     "real_model",
     "gguf_import",
     "prompt_cache",
+    "kv_quant",
     "batching",
     "grammar",
     "structured",

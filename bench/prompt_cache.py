@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -160,6 +161,85 @@ def disk_tier_runs(folder: Path, draft, prompt: list[int]) -> dict:
     }
 
 
+def answer(runner, prompt_ids: list[int], tokens: int):
+    ids, last = [], None
+    for last in runner.client.generate(timeout=900, prompt_ids=prompt_ids, max_tokens=tokens, ignore_eos=True):
+        ids += last.token_ids
+    return ids, last.stats
+
+
+def cold_tier_runs(folder: Path, draft, prompt: list[int], suffixes: list[list[int]], tokens: int = 64) -> dict:
+    """A ~3000-token prefix: its cold prefill, then a hit on its entry once the entry has gone cold
+    (``--prompt-cache-cold-after 2s``): times to first token, the entry's float and cold bytes, and how many
+    of the hit's greedy tokens equal the cold prefill's."""
+    from tests.processes import RunnerProcess
+
+    first, follow_up = (prompt + suffix for suffix in suffixes)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        reference = RunnerProcess(tmp / "ref", "--prompt-cache", "0", target=folder, draft=draft).wait_serving(300)
+        try:
+            answer(reference, first, 2)  # warm-up: the first prefill of a process pays for its kernels
+            expected, cold = answer(reference, follow_up, tokens)
+        finally:
+            reference.stop()
+        tier = RunnerProcess(tmp / "tier", "--prompt-cache-cold-after", "2s", target=folder, draft=draft).wait_serving(
+            300
+        )
+        try:
+            answer(tier, first, 2)
+            float_bytes = tier.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5).prompt_cache.bytes
+            time.sleep(2.5)
+            got, hit = answer(tier, follow_up, tokens)
+            stats = tier.client.stub.Memory(runner_pb2.MemoryRequest(), timeout=5).prompt_cache
+        finally:
+            tier.stop()
+    return {
+        "prompt": cold.prompt_tokens,
+        "cold": cold.time_to_first_token_s,
+        "hit": hit.time_to_first_token_s,
+        "cached": hit.cached_tokens,
+        "cold_hits": stats.cold_hits,
+        "float_bytes": float_bytes,
+        "cold_bytes": stats.cold_bytes,
+        "agree": next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), len(expected)),
+        "tokens": len(expected),
+    }
+
+
+def cold_tier_table() -> None:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    print(
+        "\n### prompt cache cold tier: a hit on a 3000-token entry (Python's reference text) after it went cold "
+        "(8-bit, groups of 64)\n"
+    )
+    print(
+        "| model | time to first token: cold prefill | cold-tier hit | hit vs cold | from the cache "
+        "| entry: float | cold | float / cold | greedy tokens equal to the cold prefill's |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, folder, draft in (
+        ("default pair", DEFAULT_TARGET, DEFAULT_DRAFT),
+        ("SmolLM2 (float32)", SMOLLM2_DIR, None),
+    ):
+        tokenizer = load_tokenizer(folder)
+        prefix = tokenizer.encode(system_prompt(tokenizer, 4000))[:3000]
+        questions = (
+            "\n\nQuestion: What does break do?\nAnswer:",
+            "\n\nQuestion: When does a loop's else run?\nAnswer:",
+        )
+        r = cold_tier_runs(folder, draft, prefix, [tokenizer.encode(q, add_special_tokens=False) for q in questions])
+        assert r["cold_hits"] == 1, r
+        agree = "all" if r["agree"] == r["tokens"] else f"the first {r['agree']}"
+        print(
+            f"| {label} | {r['cold'] * 1000:.0f} ms | {r['hit'] * 1000:.0f} ms | {r['hit'] / r['cold']:.0%} "
+            f"| {r['cached']} of {r['prompt']} | {r['float_bytes'] / 2**20:.1f} MiB | {r['cold_bytes'] / 2**20:.1f} MiB "
+            f"| {r['float_bytes'] / r['cold_bytes']:.2f}x | {agree} of {r['tokens']} |"
+        )
+    print()
+
+
 def disk_tier_table() -> None:
     import random
 
@@ -237,6 +317,7 @@ def run(quick: bool = False, malloc_table: bool = True, figure: Path | None = No
         print(f"| {label} | {'on' if cache else 'off'} | {mean:.0%} | {worst:.0%} |")
     if disk_table and not quick:
         disk_tier_table()
+        cold_tier_table()
     if quick or not malloc_table:
         return
     with_trim, without = malloc_trim_rss(True), malloc_trim_rss(False)

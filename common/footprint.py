@@ -184,10 +184,13 @@ class ModelFootprint:
             return 4
         return 4 if self.checkpoint_dtype == "float32" else 2
 
-    def kv_bytes(self, dtype: str, tokens: int) -> int:
-        """KV cache of ``tokens`` tokens, rounded up to the cache's 256-token growth step."""
+    def kv_bytes(self, dtype: str, tokens: int, kv_bits: int = 0, kv_group_size: int = 64) -> int:
+        """KV cache of ``tokens`` tokens, rounded up to the cache's 256-token growth step; with ``kv_bits``, each
+        value takes its bits plus its group's scale and bias in the float type (runner/kv_quant.py)."""
         steps = -(-tokens // 256) * 256
-        return self.layers * self.kv_heads * self.head_dim * 2 * self.kv_itemsize(dtype) * steps
+        itemsize = self.kv_itemsize(dtype)
+        per_value = kv_bits / 8 + 2 * itemsize / kv_group_size if kv_bits else itemsize
+        return int(self.layers * self.kv_heads * self.head_dim * 2 * per_value * steps)
 
 
 def _group_size(quantization: dict | None, layer: str) -> int:
@@ -277,12 +280,15 @@ def estimate(
     context: int | None = None,
     runtime_overhead: int | None = None,
     score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES,
+    kv_bits: int = 0,
+    kv_group_size: int = 64,
 ) -> Estimate:
-    """Peak memory of a runner serving ``footprints`` (target first) at ``dtype`` over ``context`` tokens."""
+    """Peak memory of a runner serving ``footprints`` (target first) at ``dtype`` over ``context`` tokens; with
+    ``kv_bits`` the target's KV cache is counted quantized (the draft's stays float)."""
     target = footprints[0]
     tokens = min(context or target.context_length, target.context_length)
     weights = sum(int(f.weight_bytes(dtype) * (1 + LOAD_SLACK)) for f in footprints)
-    kv = sum(f.kv_bytes(dtype, tokens) for f in footprints)
+    kv = target.kv_bytes(dtype, tokens, kv_bits, kv_group_size) + sum(f.kv_bytes(dtype, tokens) for f in footprints[1:])
     prefill = 0
     if device == "cpu":
         prefill = 2 * prefill_score_bytes(max(f.heads for f in footprints), tokens, score_bytes)

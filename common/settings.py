@@ -39,6 +39,8 @@ from .defaults import (
 from .tool_calls import FORMATS as TOOL_FORMATS
 
 DRAFTERS = ("model", "ngram", "none")
+KV_BITS = (8, 4)  # what a quantized KV cache may take (runner/kv_quant.py)
+KV_GROUP_SIZES = (32, 64, 128)
 
 CACHE_LIMIT_DEFAULT = "default"  # MLX's own pool cap
 CACHE_LIMIT_UNBOUNDED = "unbounded"  # the memory limit (what Metal and CUDA default to)
@@ -193,6 +195,22 @@ class RunnerSettings:
         "size",
         "bytes of KV caches kept for prefix reuse (0 = off; default: derived from memory, supervisor/memory.py)",
     )
+    kv_bits: int = setting(
+        0,
+        "int",
+        "store the target's KV cache quantized to 8 or 4 bits (0 = float); decodes one request at a time "
+        "(runner/kv_quant.py)",
+    )
+    kv_group_size: int = setting(64, "int", "values per scale and bias in a quantized KV cache: 32, 64 or 128")
+    quantized_kv_start: int = setting(
+        0, "int", "a KV cache stays in float until it holds more than this many tokens, then is quantized whole"
+    )
+    prompt_cache_cold_after: float = setting(
+        0.0,
+        "duration",
+        "prompt-cache entries unused this long are kept 8-bit quantized, and so are the least recently used "
+        "ones before any is evicted for room; a hit dequantizes its copy (0 = off; runner/prompt_cache.py)",
+    )
     prompt_cache_dir: Path | None = setting(
         None,
         "path",
@@ -265,6 +283,12 @@ class RunnerSettings:
             raise SettingsError("release_interval", "must be positive")
         if self.prefill_chunk <= 0:
             raise SettingsError("prefill_chunk", "must be positive")
+        if self.kv_bits not in (0, *KV_BITS):
+            raise SettingsError("kv_bits", f"must be 0 (float), {' or '.join(map(str, KV_BITS))}")
+        if self.kv_group_size not in KV_GROUP_SIZES:
+            raise SettingsError("kv_group_size", f"must be one of {', '.join(map(str, KV_GROUP_SIZES))}")
+        if self.quantized_kv_start < 0:
+            raise SettingsError("quantized_kv_start", "must not be negative")
         if self.dtype not in DTYPES:
             raise SettingsError("dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.max_context < 0 or self.max_context == 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -112,6 +113,10 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    if settings.kv_bits and settings.max_batch > 1:
+        # mlx-lm's batched caches refuse quantized layers: a quantized KV cache decodes one request at a time.
+        log.warning("kv_bits = %d: requests are decoded one at a time (max_batch 1)", settings.kv_bits)
+        settings = dataclasses.replace(settings, max_batch=1)
     os.umask(0o077)  # the socket file: owner only
     try:
         if args.listen.startswith("unix:"):

@@ -82,9 +82,11 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None):
     from mlx_lm.models.base import scaled_dot_product_attention
 
     b, heads, length, _ = queries.shape
+    if hasattr(cache, "bits"):  # a quantized cache (kv_bits): keys are (weights, scales, biases)
+        return scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     vector_kernel = length == 1 and not isinstance(mask, mx.array)
     small = b * heads * length * keys.shape[2] * 4 <= MAX_SCORE_BYTES
-    if vector_kernel or not small or sinks is not None or hasattr(cache, "bits"):
+    if vector_kernel or not small or sinks is not None:
         return scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     return plain_attention(queries, keys, values, scale, mask)
 

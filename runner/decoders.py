@@ -76,6 +76,7 @@ class Decoder:
         self.stop_ids: frozenset[int] = frozenset()  # tokens that end the request: never forced ahead
         self.bias: mx.array | None = None  # added to every row the request chooses from (logit_bias)
         self.penalties: Penalties | None = None  # presence, frequency and repetition penalties (runner.penalties)
+        self.kv = None  # a runner.kv_quant.KVQuantization: the target's cache is quantized once due (set by the engine)
         # score(logits, tokens): the prompt's positions as the target prefills them (prompt logprobs), or None
         self.score_prompt = None
 
@@ -116,11 +117,17 @@ class Decoder:
                     # Row j scores the token after position start + j (the last row: the next chunk's first).
                     self.score_prompt(logits[0], self.prompt_ids[start + 1 : offset + size + 1])
                 advance(offset + size)
+        self.quantize_due()
         mx.clear_cache()
         planner.record(offset, size, time.perf_counter() - started)
         if sizes is not None:
             sizes.append(size)
         return offset + size >= len(context)
+
+    def quantize_due(self) -> None:
+        """Quantize the target's cache in place once it holds more than ``kv.start`` tokens (``kv_bits``)."""
+        if self.kv is not None:
+            self.kv.apply(self.cache)
 
     # -- rounds ---------------------------------------------------------------------------------------
 

@@ -16,6 +16,18 @@ Caches that cannot be trimmed (recurrent or hybrid layers, ``ArraysCache``) are
 reused only when the whole entry is a prefix of the new prompt: there is no
 way to take such a state back to an earlier token.
 
+A cold tier (``cold_after`` seconds, the ``prompt_cache_cold_after`` setting):
+an entry unused that long has its float KV layers (both models') quantized to
+8 bits in groups of 64 (32 for narrower heads; MLX's affine ``mx.quantize``, mlx-lm's
+``QuantizedKVCache``), a quarter of float32's bytes plus scales and biases, and
+the budget counts what is stored. When a new entry needs room, the least
+recently used float entries are quantized before any entry is evicted. A hit on
+a cold entry gets a float copy (``mx.dequantize``), so the request decodes as
+with any float cache; its tokens are not bit-for-bit those of a cold prefill
+(bench/prompt_cache.py measures how close). Sliding-window and recurrent layers
+stay as they are. With ``kv_bits`` the entries are quantized already and the
+cold tier has nothing to do.
+
 With a disk tier (``runner.prompt_disk``, the ``prompt_cache_dir`` setting),
 entries are also written to disk as they are stored, and a lookup that finds
 a longer shared prefix on disk than in memory loads that entry back into
@@ -26,11 +38,15 @@ from __future__ import annotations
 
 import collections
 import copy
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, can_trim_prompt_cache
 
 MIN_REUSE_TOKENS = 8  # a shorter shared prefix (a BOS token, a template's first marker) is not worth a copy
+COLD_BITS = 8
+COLD_GROUP_SIZE = 64
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -65,6 +81,13 @@ def trimmed_copy(layers: list, tokens: int) -> list:
                 fresh.values = layer.values[..., :tokens, :]
                 fresh.offset = tokens
             out.append(fresh)
+        elif isinstance(layer, QuantizedKVCache):  # (weights, scales, biases) for keys and for values
+            fresh = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+            if layer.keys is not None and tokens > 0:
+                fresh.keys = tuple(a[..., :tokens, :] for a in layer.keys)
+                fresh.values = tuple(a[..., :tokens, :] for a in layer.values)
+                fresh.offset = tokens
+            out.append(fresh)
         else:
             fresh = copy.copy(layer)
             if hasattr(layer, "cache") and isinstance(layer.cache, list):
@@ -76,11 +99,47 @@ def trimmed_copy(layers: list, tokens: int) -> list:
     return out
 
 
+def cooled(layers: list) -> list:
+    """The float KV layers of ``layers`` quantized (the cold tier's form); other layers as they are."""
+    out = []
+    for layer in layers:
+        widths = (
+            (layer.keys.shape[-1], layer.values.shape[-1]) if type(layer) is KVCache and layer.keys is not None else ()
+        )
+        group = next((g for g in (COLD_GROUP_SIZE, 32) if widths and all(w % g == 0 for w in widths)), 0)
+        if group:  # groups of 64 values, or of 32 for heads 32 wide (a small draft model's)
+            cold = layer.to_quantized(group_size=group, bits=COLD_BITS)
+            mx.eval(cold.keys, cold.values)  # so the float buffers are freed now
+            out.append(cold)
+        else:
+            out.append(layer)
+    return out
+
+
+def warmed(layers: list) -> list:
+    """A float copy of a cold entry's layers (its quantized KV layers dequantized to the scales' dtype)."""
+    out = []
+    for layer in layers:
+        if isinstance(layer, QuantizedKVCache):
+            fresh = KVCache()
+            if layer.keys is not None:
+                size = dict(group_size=layer.group_size, bits=layer.bits)
+                fresh.keys = mx.dequantize(*layer.keys, **size)
+                fresh.values = mx.dequantize(*layer.values, **size)
+                fresh.offset = layer.offset
+            out.append(fresh)
+        else:
+            out.append(layer)
+    return out
+
+
 @dataclass
 class Entry:
     tokens: list[int]  # what the caches hold, in order
     caches: list[list]  # one list of layers per model: the target's, then the draft's
     nbytes: int
+    used: float = field(default_factory=time.monotonic)  # when it was stored or last hit
+    cold: bool = False  # its float KV layers are held quantized (the cold tier)
 
 
 @dataclass
@@ -90,9 +149,13 @@ class Hit:
 
 
 class PromptCache:
-    def __init__(self, budget: int, disk=None):
+    def __init__(self, budget: int, disk=None, cold_after: float = 0.0, clock=time.monotonic):
         self.budget = budget
         self.disk = disk  # a runner.prompt_disk.DiskTier, or None
+        self.cold_after = cold_after  # seconds unused before an entry goes cold; 0 = no cold tier
+        self.clock = clock
+        self.cold_hits = 0  # hits on a cold entry
+        self.cooled = 0  # entries made cold
         self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()
         self._next_key = 0
         self.nbytes = 0
@@ -115,11 +178,51 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.budget > 0
 
+    @property
+    def cold_entries(self) -> int:
+        return sum(e.cold for e in list(self._entries.values()))
+
+    @property
+    def cold_bytes(self) -> int:
+        return sum(e.nbytes for e in list(self._entries.values()) if e.cold)
+
+    def _cool(self, key: int) -> bool:
+        """Quantize one entry in place (the cold tier); False when it has nothing to quantize."""
+        entry = self._entries[key]
+        caches = [cooled(layers) if layers else layers for layers in entry.caches]
+        nbytes = cache_bytes(caches)
+        entry.cold = True  # even with nothing to quantize: it is as small as it gets
+        if nbytes >= entry.nbytes:
+            return False
+        entry.caches = caches
+        self.nbytes += nbytes - entry.nbytes
+        entry.nbytes = nbytes
+        self.cooled += 1
+        return True
+
+    def cool_all(self) -> tuple[int, int]:
+        """Make every float entry cold now (the memory policy's first step under pressure, before emptying);
+        returns (entries quantized, bytes saved). Nothing without a cold tier."""
+        if not self.cold_after:
+            return 0, 0
+        before = self.nbytes
+        cooled = sum(self._cool(k) for k, e in list(self._entries.items()) if not e.cold)
+        return cooled, before - self.nbytes
+
+    def cool_idle(self) -> int:
+        """Make cold every entry unused for ``cold_after`` seconds; returns how many changed."""
+        if not self.cold_after:
+            return 0
+        now = self.clock()
+        idle = [k for k, e in self._entries.items() if not e.cold and now - e.used >= self.cold_after]
+        return sum(self._cool(k) for k in idle)
+
     def lookup(self, prompt: list[int]) -> Hit:
         """The longest cached prefix of ``prompt`` (never the whole prompt: its last token must be run)."""
         if not self.enabled or not (self._entries or (self.disk is not None and self.disk.entries)):
             self.misses += 1
             return Hit(0, None)
+        self.cool_idle()
         best_key, best = None, MIN_REUSE_TOKENS - 1
         limit = len(prompt) - 1
         for key, entry in reversed(self._entries.items()):  # on a tie, the most recently used
@@ -140,9 +243,14 @@ class PromptCache:
             return Hit(0, None)
         entry = self._entries[best_key]
         self._entries.move_to_end(best_key)
+        entry.used = self.clock()
         self.hits += 1
         self.reused_tokens += best
-        return Hit(best, [trimmed_copy(layers, best) if layers else layers for layers in entry.caches])
+        copies = [trimmed_copy(layers, best) if layers else layers for layers in entry.caches]
+        if entry.cold:
+            self.cold_hits += 1
+            copies = [warmed(layers) if layers else layers for layers in copies]
+        return Hit(best, copies)
 
     def store(self, tokens: list[int], caches: list[list]) -> int:
         """Keep the caches of a finished request (which no longer uses them), on disk too when there is a disk
@@ -151,6 +259,7 @@ class PromptCache:
             return 0
         if self.disk is not None:
             self.disk.store(tokens, caches)
+        self.cool_idle()
         return self._insert(tokens, caches, evicted_bytes=True)
 
     def _insert(self, tokens: list[int], caches: list[list], evicted_bytes: bool = False) -> int | None:
@@ -161,11 +270,16 @@ class PromptCache:
         # An entry that is a prefix of the new one adds nothing the new one does not hold.
         for key in [k for k, e in self._entries.items() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
             self._drop(key)
+        if self.cold_after:  # quantize the least recently used float entries before evicting any
+            for key in [k for k, e in self._entries.items() if not e.cold]:
+                if self.nbytes + nbytes <= self.budget:
+                    break
+                self._cool(key)
         evicted = 0
         while self._entries and self.nbytes + nbytes > self.budget:
             evicted += self._evict_oldest()
         key = self._next_key
-        self._entries[key] = Entry(list(tokens), caches, nbytes)
+        self._entries[key] = Entry(list(tokens), caches, nbytes, self.clock())
         self._next_key += 1
         self.nbytes += nbytes
         return evicted if evicted_bytes else key

@@ -143,14 +143,30 @@ def prompt_cache_stats(cache) -> runner_pb2.PromptCacheStats:
         disk_writes=cache.disk.writes if cache.disk else 0,
         disk_write_s=cache.disk.write_seconds if cache.disk else 0.0,
         disk_read_s=cache.disk.read_seconds if cache.disk else 0.0,
+        cold_entries=cache.cold_entries,
+        cold_bytes=cache.cold_bytes,
+        cold_hits=cache.cold_hits,
     )
 
 
 def peak_rss() -> int:
-    """High-water RSS of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """High-water RSS of this process's own memory.
+
+    On Linux this is ``VmHWM`` from /proc/self/status, not ``ru_maxrss``: a forked child starts with its
+    parent's RSS as its high-water mark and execve keeps it, so ``ru_maxrss`` in a runner started by a large
+    process reports the parent's size (seen in a bench that forked runners from a 1.4 GiB process).
+    Elsewhere ``ru_maxrss`` (bytes on macOS).
+    """
     import resource
     import sys
 
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
@@ -262,6 +278,9 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             device_memory=platform.device_memory(),
             tool_format=engine.tool_format,
             chat_template=bool(getattr(engine.tokenizer, "has_chat_template", False)),
+            kv_bits=engine.kv.bits if engine.kv else 0,
+            kv_group_size=engine.kv.group_size if engine.kv else 0,
+            quantized_kv_start=engine.kv.start if engine.kv else 0,
             num_draft_tokens=engine.default_num_draft_tokens,
             release_interval=engine.settings.release_interval,
             release_enabled=engine.settings.release_enabled,
@@ -306,9 +325,12 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         worker = self._ready()
         released = worker.call(lambda: self.engine.release_memory(prompt_cache=message.prompt_cache)).result()
         log.info(
-            "released on request: %d prompt-cache entries (%d bytes), then the pool: %d -> %d bytes",
+            "released on request: %d prompt-cache entries (%d bytes), %d quantized (%d bytes saved), "
+            "then the pool: %d -> %d bytes",
             released.evicted_entries,
             released.evicted_bytes,
+            released.cooled_entries,
+            released.cooled_bytes,
             released.cache_before,
             released.cache_after,
         )
@@ -317,6 +339,8 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             cache_after=released.cache_after,
             evicted_entries=released.evicted_entries,
             evicted_bytes=released.evicted_bytes,
+            cooled_entries=released.cooled_entries,
+            cooled_bytes=released.cooled_bytes,
         )
 
     def _debug(self) -> MlxWorker:

@@ -126,6 +126,7 @@ class Session:
             step = self._decoder.step(self.budget)
         except ConstraintBroken as error:
             return self._broken(error)
+        self._decoder.quantize_due()
         self.stats.forced += step.forced
         return self._take(step.tokens, step.drafted, step.accepted, step.logits)
 

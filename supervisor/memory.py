@@ -7,6 +7,9 @@ Per model, on every sample (default once a second):
   fails with RESOURCE_EXHAUSTED naming the limit and the measured value;
 - over ``soft_limit``: ask the runner to release MLX's pool (ReleaseMemory),
   at most once per ``SOFT_RELEASE_EVERY`` seconds, logging before and after.
+  The prompt cache goes first: with a cold tier its float entries are
+  quantized, and only a later release, if still over, empties it (a disk tier
+  keeps what was written either way).
   Memory that is still in use after a release is left alone until it reaches
   the hard limit, so a runner that needs its memory is not restarted in a loop.
 
@@ -147,7 +150,16 @@ class Estimates:
         device = expected_device()
         context = model.runner.max_context or None
         dtype, _ = resolve_dtype(model.runner.dtype, device, footprints, available, context=context)
-        return estimate(footprints, dtype, device, context=context, runtime_overhead=self.runtime_overhead), dtype
+        needed = estimate(
+            footprints,
+            dtype,
+            device,
+            context=context,
+            runtime_overhead=self.runtime_overhead,
+            kv_bits=model.runner.kv_bits,
+            kv_group_size=model.runner.kv_group_size,
+        )
+        return needed, dtype
 
     def measured_runtime(self, rss: int) -> None:
         if rss > 0:
@@ -335,13 +347,30 @@ class MemoryWatch:
             after = measured_memory(sample_tree(runner.pid, 1, sample), left, self.backend) if runner.pid else 0
             log.info(
                 "model %s: over the soft limit (%.0f MiB > %.0f MiB): evicted %d prompt-cache entries "
-                "(%.1f MiB), then released the pool (%d -> %d bytes); memory now %.0f MiB",
+                "(%.1f MiB), quantized %d (%.1f MiB saved), then released the pool (%d -> %d bytes); "
+                "memory now %.0f MiB",
                 runner.name,
                 measured / 2**20,
                 model.soft_limit / 2**20,
                 released.evicted_entries,
                 released.evicted_bytes / 2**20,
+                released.cooled_entries,
+                released.cooled_bytes / 2**20,
                 released.cache_before,
                 released.cache_after,
                 after / 2**20,
             )
+
+
+SUPERVISOR_ALLOWANCE = 256 * 2**20  # the supervisor's own RSS (74-120 MiB measured) with headroom
+
+
+def pod_memory(config) -> tuple[int, list[tuple[str, Estimate, str]]]:
+    """Memory a host (a pod, a unit's MemoryMax) needs to serve ``config``: the estimates of the models that
+    can be loaded at once (all of them, or the ``max_loaded`` largest) and the supervisor's allowance.
+    Returns the total and, per model, its estimate and dtype. Reads the model folders; starts nothing."""
+    estimates = Estimates()
+    rows = [(name, *estimates.of(model)) for name, model in config.models.items()]
+    largest = sorted((needed.total for _, needed, _ in rows), reverse=True)
+    loaded = largest[: config.max_loaded] if config.max_loaded else largest
+    return sum(loaded) + SUPERVISOR_ALLOWANCE, rows

@@ -273,7 +273,7 @@ class ModelInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., architecture: _Optional[str] = ..., parameters: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., quantization_group_size: _Optional[int] = ..., cache: _Optional[str] = ..., rewindable: _Optional[bool] = ..., row_padded_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., sliding_layers: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue", "speculative", "decoding", "dtype_reason", "runtime_rss", "prompt_cache_budget", "drafter", "adaptive_depth", "max_draft_tokens", "max_batch", "batch_memory", "backend", "device_detail", "device_memory", "tool_format", "chat_template")
+    __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue", "speculative", "decoding", "dtype_reason", "runtime_rss", "prompt_cache_budget", "drafter", "adaptive_depth", "max_draft_tokens", "max_batch", "batch_memory", "backend", "device_detail", "device_memory", "tool_format", "chat_template", "kv_bits", "kv_group_size", "quantized_kv_start")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,9 @@ class InfoResponse(_message.Message):
     DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZED_KV_START_FIELD_NUMBER: _ClassVar[int]
     name: str
     target: ModelInfo
     draft: ModelInfo
@@ -326,7 +329,10 @@ class InfoResponse(_message.Message):
     device_memory: int
     tool_format: str
     chat_template: bool
-    def __init__(self, name: _Optional[str] = ..., target: _Optional[_Union[ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., release_interval: _Optional[int] = ..., release_enabled: _Optional[bool] = ..., cache_limit: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., max_queue: _Optional[int] = ..., speculative: _Optional[bool] = ..., decoding: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., runtime_rss: _Optional[int] = ..., prompt_cache_budget: _Optional[int] = ..., drafter: _Optional[str] = ..., adaptive_depth: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., max_batch: _Optional[int] = ..., batch_memory: _Optional[int] = ..., backend: _Optional[str] = ..., device_detail: _Optional[str] = ..., device_memory: _Optional[int] = ..., tool_format: _Optional[str] = ..., chat_template: _Optional[bool] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    quantized_kv_start: int
+    def __init__(self, name: _Optional[str] = ..., target: _Optional[_Union[ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., release_interval: _Optional[int] = ..., release_enabled: _Optional[bool] = ..., cache_limit: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., max_queue: _Optional[int] = ..., speculative: _Optional[bool] = ..., decoding: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., runtime_rss: _Optional[int] = ..., prompt_cache_budget: _Optional[int] = ..., drafter: _Optional[str] = ..., adaptive_depth: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., max_batch: _Optional[int] = ..., batch_memory: _Optional[int] = ..., backend: _Optional[str] = ..., device_detail: _Optional[str] = ..., device_memory: _Optional[int] = ..., tool_format: _Optional[str] = ..., chat_template: _Optional[bool] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., quantized_kv_start: _Optional[int] = ...) -> None: ...
 
 class MemoryRequest(_message.Message):
     __slots__ = ()
@@ -361,7 +367,7 @@ class MemoryResponse(_message.Message):
     def __init__(self, active: _Optional[int] = ..., cache: _Optional[int] = ..., peak: _Optional[int] = ..., cache_limit: _Optional[int] = ..., memory_limit: _Optional[int] = ..., releases: _Optional[int] = ..., rss: _Optional[int] = ..., queued: _Optional[int] = ..., busy: _Optional[bool] = ..., peak_rss: _Optional[int] = ..., prompt_cache: _Optional[_Union[PromptCacheStats, _Mapping]] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class PromptCacheStats(_message.Message):
-    __slots__ = ("budget", "bytes", "entries", "hits", "misses", "reused_tokens", "evictions", "disk_budget", "disk_bytes", "disk_entries", "disk_hits", "disk_failures", "disk_writes", "disk_write_s", "disk_read_s")
+    __slots__ = ("budget", "bytes", "entries", "hits", "misses", "reused_tokens", "evictions", "disk_budget", "disk_bytes", "disk_entries", "disk_hits", "disk_failures", "disk_writes", "disk_write_s", "disk_read_s", "cold_entries", "cold_bytes", "cold_hits")
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +383,9 @@ class PromptCacheStats(_message.Message):
     DISK_WRITES_FIELD_NUMBER: _ClassVar[int]
     DISK_WRITE_S_FIELD_NUMBER: _ClassVar[int]
     DISK_READ_S_FIELD_NUMBER: _ClassVar[int]
+    COLD_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    COLD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COLD_HITS_FIELD_NUMBER: _ClassVar[int]
     budget: int
     bytes: int
     entries: int
@@ -392,7 +401,10 @@ class PromptCacheStats(_message.Message):
     disk_writes: int
     disk_write_s: float
     disk_read_s: float
-    def __init__(self, budget: _Optional[int] = ..., bytes: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., disk_budget: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., disk_hits: _Optional[int] = ..., disk_failures: _Optional[int] = ..., disk_writes: _Optional[int] = ..., disk_write_s: _Optional[float] = ..., disk_read_s: _Optional[float] = ...) -> None: ...
+    cold_entries: int
+    cold_bytes: int
+    cold_hits: int
+    def __init__(self, budget: _Optional[int] = ..., bytes: _Optional[int] = ..., entries: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., disk_budget: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_entries: _Optional[int] = ..., disk_hits: _Optional[int] = ..., disk_failures: _Optional[int] = ..., disk_writes: _Optional[int] = ..., disk_write_s: _Optional[float] = ..., disk_read_s: _Optional[float] = ..., cold_entries: _Optional[int] = ..., cold_bytes: _Optional[int] = ..., cold_hits: _Optional[int] = ...) -> None: ...
 
 class ReleaseMemoryRequest(_message.Message):
     __slots__ = ("prompt_cache",)
@@ -401,16 +413,20 @@ class ReleaseMemoryRequest(_message.Message):
     def __init__(self, prompt_cache: _Optional[bool] = ...) -> None: ...
 
 class ReleaseMemoryResponse(_message.Message):
-    __slots__ = ("cache_before", "cache_after", "evicted_entries", "evicted_bytes")
+    __slots__ = ("cache_before", "cache_after", "evicted_entries", "evicted_bytes", "cooled_entries", "cooled_bytes")
     CACHE_BEFORE_FIELD_NUMBER: _ClassVar[int]
     CACHE_AFTER_FIELD_NUMBER: _ClassVar[int]
     EVICTED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COOLED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    COOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     cache_before: int
     cache_after: int
     evicted_entries: int
     evicted_bytes: int
-    def __init__(self, cache_before: _Optional[int] = ..., cache_after: _Optional[int] = ..., evicted_entries: _Optional[int] = ..., evicted_bytes: _Optional[int] = ...) -> None: ...
+    cooled_entries: int
+    cooled_bytes: int
+    def __init__(self, cache_before: _Optional[int] = ..., cache_after: _Optional[int] = ..., evicted_entries: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., cooled_entries: _Optional[int] = ..., cooled_bytes: _Optional[int] = ...) -> None: ...
 
 class DebugBlockRequest(_message.Message):
     __slots__ = ("seconds",)
