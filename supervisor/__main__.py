@@ -154,6 +154,27 @@ def client_command(args) -> int:
     return 0
 
 
+def estimate_command(args) -> int:
+    from .memory import SUPERVISOR_ALLOWANCE, pod_memory
+
+    try:
+        config = load(args.config) if args.config else default_config()
+        total, rows = pod_memory(config)
+    except (ConfigError, OSError, ValueError) as error:
+        print(f"supervisor: {error}", file=sys.stderr)
+        return 2
+    mib = 2**20
+    for name, needed, dtype in rows:
+        print(
+            f"{name}: {needed.total / mib:.0f} MiB ({dtype}: weights {needed.weights / mib:.0f}, "
+            f"KV cache {needed.kv_cache / mib:.0f}, prefill {needed.prefill / mib:.0f}, "
+            f"runtime {needed.runtime / mib:.0f})"
+        )
+    print(f"supervisor: {SUPERVISOR_ALLOWANCE / mib:.0f} MiB")
+    print(f"memory request: {-(-total // mib)}Mi")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m supervisor", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -178,9 +199,15 @@ def main(argv=None) -> int:
             sub.add_argument("--temperature", type=float, default=0.0)
             sub.add_argument("--timeout", type=float, default=300)
             sub.add_argument("prompt")
+    estimate_parser = commands.add_parser(
+        "estimate", help="print the memory a config's models need (for a pod's memory request or MemoryMax)"
+    )
+    estimate_parser.add_argument("--config", help="TOML file (default: the embedded default pair)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "estimate":
+        return estimate_command(args)
     if args.command == "chat":
         from .chat import main as chat
 

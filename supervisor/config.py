@@ -3,7 +3,8 @@
     listen = "127.0.0.1:50051"        # or "unix:///path"; non-loopback needs allow_remote
     http_listen = "127.0.0.1:8080"    # the HTTP APIs (OpenAI's, Anthropic's, Ollama's; "" = off); loopback, token, TLS
     ollama_listen = "127.0.0.1:11434" # the same APIs where Ollama's clients look ("" = off, the default)
-    probe_port = 9464                 # HTTP /healthz /readyz /metrics on 127.0.0.1 (0 = off)
+    probe_port = 9464                 # HTTP /healthz /readyz /metrics on probe_host (0 = off)
+    probe_host = "127.0.0.1"          # "0.0.0.0" in a pod, for the kubelet and Prometheus (needs allow_remote)
     runtime_dir = "/run/mlxserve"     # runner sockets (default: a private folder under /tmp)
     max_loaded = 2                    # runners alive at once; least recently used idle one is evicted
     gguf_cache_dir = "/var/cache/mlxserve/gguf"  # where .gguf targets are imported (default: ~/.cache/mlxserve/gguf)
@@ -96,6 +97,7 @@ class SupervisorConfig:
     http_listen: str = DEFAULT_HTTP_LISTEN
     ollama_listen: str = ""  # a second address for the HTTP APIs, where Ollama's clients look ("" = off)
     probe_port: int = DEFAULT_PROBE_PORT
+    probe_host: str = "127.0.0.1"
     runtime_dir: Path = field(default_factory=lambda: default_runtime_dir())
     max_loaded: int = 0  # 0 = as many as there are models
     allow_remote: bool = False
@@ -286,6 +288,9 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
     probe_port = _take(data, "probe_port", "", int, DEFAULT_PROBE_PORT)
     if not 0 <= probe_port <= 65535:
         raise ConfigError("probe_port", "must lie in [0, 65535]")
+    probe_host = _take(data, "probe_host", "", str, "127.0.0.1")
+    if not is_loopback(f"{probe_host}:0") and not allow_remote:
+        raise ConfigError("probe_host", f"{probe_host} is not a loopback address: set allow_remote = true to bind it")
     runtime_dir = Path(_take(data, "runtime_dir", "", str, str(default_runtime_dir())))
     max_loaded = _take(data, "max_loaded", "", int, 0)
     if max_loaded < 0:
@@ -322,6 +327,7 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
         http_listen=http_listen,
         ollama_listen=ollama_listen,
         probe_port=probe_port,
+        probe_host=probe_host,
         runtime_dir=runtime_dir,
         max_loaded=max_loaded,
         allow_remote=allow_remote,

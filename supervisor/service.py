@@ -27,6 +27,7 @@ from .config import SupervisorConfig, resolve_gguf
 from .front_door import FrontDoor
 from .generation import Generation, count_tokens
 from .memory import MemoryWatch, RunnerMemory
+from .notify import ServiceNotifier
 from .probes import Metrics, ProbeServer
 from .protocol import supervisor_pb2, supervisor_pb2_grpc
 from .runners import ManagedRunner, State
@@ -35,6 +36,10 @@ from .scheduler import Scheduler
 log = logging.getLogger("supervisor")
 
 SERVICE_NAME = supervisor_pb2.DESCRIPTOR.services_by_name["Supervisor"].full_name
+# A health service name that is SERVING from start to shutdown, whatever the runners do: what a liveness
+# probe asks (the overall name "" is SERVING only when every model loaded at start serves: readiness). A
+# runner's crash is the supervisor's to handle; a liveness probe that followed it would kill the whole pod.
+LIVENESS_SERVICE = "mlxserve.liveness"
 STATES = {s: getattr(supervisor_pb2, f"RUNNER_STATE_{s.name}") for s in State}
 
 
@@ -137,7 +142,11 @@ class Supervisor:
             self.front.stop()
             raise OSError(f"cannot listen on {config.listen}")
         self.port = port
-        self.probes = ProbeServer(config.probe_port, self.metrics, self._readiness) if config.probe_port else None
+        self.probes = (
+            ProbeServer(config.probe_port, self.metrics, self._readiness, config.probe_host)
+            if config.probe_port
+            else None
+        )
         self.http = None
         self.ollama_http = None  # the same APIs where Ollama's clients look (ollama_listen)
         from .http_api import HttpServer, create_app
@@ -156,6 +165,7 @@ class Supervisor:
         if config.ollama_listen:
             self.ollama_http = http_server(config.ollama_listen)
         self._stopped = threading.Event()
+        self.notifier = ServiceNotifier.from_environment()  # systemd's Type=notify; nothing without NOTIFY_SOCKET
 
     async def _public_server(self, interceptors, max_streams: int):
         """The public gRPC server, made on the front door's loop (grpc.aio binds a server to the loop it is made
@@ -283,6 +293,7 @@ class Supervisor:
 
     def start(self) -> None:
         self.front.call(self.server.start())
+        self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)  # until shutdown
         for http in (self.http, self.ollama_http):
             if http:
                 http.start(self.front)
@@ -306,6 +317,7 @@ class Supervisor:
         self._stopped.set()
         self.shutting_down.set()
         log.info("shutting down")
+        self.notifier.stopping()
         self.health.enter_graceful_shutdown()
         # In-flight streams get drain_grace in their runners; one still running after that is cancelled there
         # and ends with UNAVAILABLE "supervisor shutting down", before gRPC's own grace runs out.
@@ -332,8 +344,11 @@ class Supervisor:
 
     def serve_until(self, should_stop) -> None:
         while not should_stop():
+            ready, detail = self._readiness()
+            self.notifier.tick(ready, detail)
             time.sleep(0.1)
         self.shutdown()
+        self.notifier.close()
 
 
 def prepare_runtime_dir(path) -> None:

@@ -93,7 +93,7 @@ def free_port() -> int:
 class SupervisorProcess:
     """``python -m supervisor serve`` on a TOML config written into ``folder``."""
 
-    def __init__(self, folder: Path, models_toml: str, collector: bool = True, **settings):
+    def __init__(self, folder: Path, models_toml: str, collector: bool = True, env: dict | None = None, **settings):
         """``collector=False`` starts the supervisor with Python's cyclic garbage collector off. It stands in for a
         collection that comes late, which cannot be caused on demand: anything released only when the collector
         runs then stays held, and a test that waits for its release fails every time instead of now and then."""
@@ -128,7 +128,7 @@ class SupervisorProcess:
                 "import gc, runpy; gc.disable(); runpy.run_module('supervisor', run_name='__main__', alter_sys=True)",
             ]
         self.process = subprocess.Popen(
-            [sys.executable, *command], stderr=open(self.stderr_path, "w"), env=child_environment()
+            [sys.executable, *command], stderr=open(self.stderr_path, "w"), env={**child_environment(), **(env or {})}
         )
         self.token = settings.get("auth_token", "")
         self.ollama_listen = settings.get("ollama_listen", "")  # HOST:PORT, when the config sets one

@@ -76,6 +76,7 @@ def test_mistakes_name_their_key(tmp_path, data, key):
         ("http_listen", "0.0.0.0:8080"),
         ("http_listen", "[2001:db8::1]:8080"),
         ("ollama_listen", "0.0.0.0:11434"),
+        ("probe_host", "0.0.0.0"),
     ],
 )
 def test_remote_listen_needs_allow_remote(tmp_path, key, address):
