@@ -22,6 +22,7 @@ SECTIONS = (
     "gguf_import",
     "prompt_cache",
     "kv_quant",
+    "group",
     "batching",
     "grammar",
     "structured",

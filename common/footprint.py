@@ -282,14 +282,20 @@ def estimate(
     score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES,
     kv_bits: int = 0,
     kv_group_size: int = 64,
+    ranks: int = 1,
 ) -> Estimate:
     """Peak memory of a runner serving ``footprints`` (target first) at ``dtype`` over ``context`` tokens; with
-    ``kv_bits`` the target's KV cache is counted quantized (the draft's stays float)."""
-    target = footprints[0]
+    ``kv_bits`` the target's KV cache is counted quantized (the draft's stays float). With ``ranks`` > 1 (a
+    runner group, all on this host) the sum over its processes: the target's weights and cache split between
+    them, and per process a whole draft, its cache, a prefill's transient and the runtime."""
+    target, drafts = footprints[0], footprints[1:]
     tokens = min(context or target.context_length, target.context_length)
-    weights = sum(int(f.weight_bytes(dtype) * (1 + LOAD_SLACK)) for f in footprints)
-    kv = target.kv_bytes(dtype, tokens, kv_bits, kv_group_size) + sum(f.kv_bytes(dtype, tokens) for f in footprints[1:])
+    weights = int(target.weight_bytes(dtype) * (1 + LOAD_SLACK)) + ranks * sum(
+        int(f.weight_bytes(dtype) * (1 + LOAD_SLACK)) for f in drafts
+    )
+    kv = target.kv_bytes(dtype, tokens, kv_bits, kv_group_size) + ranks * sum(f.kv_bytes(dtype, tokens) for f in drafts)
     prefill = 0
     if device == "cpu":
-        prefill = 2 * prefill_score_bytes(max(f.heads for f in footprints), tokens, score_bytes)
-    return Estimate(weights, kv, prefill, RUNTIME_OVERHEAD if runtime_overhead is None else runtime_overhead)
+        prefill = 2 * ranks * prefill_score_bytes(max(f.heads for f in footprints), tokens, score_bytes)
+    runtime = RUNTIME_OVERHEAD if runtime_overhead is None else runtime_overhead
+    return Estimate(weights, kv, prefill, ranks * runtime)

@@ -147,6 +147,9 @@ _PARSERS = {
 }
 
 
+MAX_RANKS = 8
+
+
 def setting(default, kind: str, help: str, *, config: bool = True):
     """A field of ``RunnerSettings``: its default, how its value is read (``_PARSERS``), what it means, and
     whether a model's config table takes it (``config=False``: the supervisor sets it itself)."""
@@ -220,6 +223,12 @@ class RunnerSettings:
     prompt_cache_disk: int = setting(
         DEFAULT_PROMPT_CACHE_DISK, "size", "bytes the prompt cache's files in prompt_cache_dir may take"
     )
+    ranks: int = setting(
+        1,
+        "int",
+        "processes the target is split across (tensor parallel over MLX's ring backend on this host; "
+        "runner/group.py); 1 = one process",
+    )
     batch_memory: int | None = setting(
         None,
         "size",
@@ -283,6 +292,12 @@ class RunnerSettings:
             raise SettingsError("release_interval", "must be positive")
         if self.prefill_chunk <= 0:
             raise SettingsError("prefill_chunk", "must be positive")
+        if not 1 <= self.ranks <= MAX_RANKS:
+            raise SettingsError("ranks", f"must lie in [1, {MAX_RANKS}]")
+        if self.ranks > 1 and self.prompt_cache_dir is not None:
+            raise SettingsError("ranks", "a group keeps no disk tier yet: leave prompt_cache_dir unset")
+        if self.ranks > 1 and self.prompt_cache_cold_after:
+            raise SettingsError("ranks", "a group has no cold tier yet: leave prompt_cache_cold_after at 0")
         if self.kv_bits not in (0, *KV_BITS):
             raise SettingsError("kv_bits", f"must be 0 (float), {' or '.join(map(str, KV_BITS))}")
         if self.kv_group_size not in KV_GROUP_SIZES:

@@ -44,6 +44,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, RunnerSettings]:
         default="text",
         help="text: a line a person reads; json: one JSON object per record (the supervisor reads it)",
     )
+    # A runner group's ranks 1..N-1 (runner.group): started by rank 0, never by hand.
+    p.add_argument("--group-rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--group-hostfile", default=None, help=argparse.SUPPRESS)
     RunnerSettings.add_arguments(p)
     args = p.parse_args(argv)
     try:
@@ -90,12 +93,93 @@ def prepare_unix_socket(address: str) -> None:
         path.unlink()
 
 
+def follow(args, settings: RunnerSettings) -> int:
+    """Rank ``args.group_rank`` of a runner group: join it, load this rank's share, and take every turn rank 0
+    takes until it stops (runner.group). Serves nobody; dies with rank 0 (SIGKILL: it may be blocked in a
+    collective, where no handler runs)."""
+    from common.errors import ModelLoadError
+
+    from .engine import Engine
+    from .group import GroupError, join
+    from .worker import MlxWorker
+
+    log = logging.getLogger("runner")
+    # Stopping is rank 0's to decide: a SIGTERM to the whole process group (a supervisor's drain, a terminal's
+    # Ctrl-C) reaches rank 0, which drains and then tells the others to stop. They die with it otherwise.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != args.parent_pid:
+        return EXIT_BAD_START
+    try:
+        group = join(args.group_rank, Path(args.group_hostfile))
+        engine = Engine.load(settings.target, settings.draft, settings, group=group)
+        engine.warm_up()
+    except (GroupError, ModelLoadError) as error:  # rank 0 meets the same and says it
+        log.debug("rank %d: %s", args.group_rank, error)
+        return EXIT_BAD_START
+    failed = []
+    worker = MlxWorker(
+        engine,
+        0,
+        on_fatal=failed.append,
+        name=f"{settings.name} rank {args.group_rank}",
+        max_batch=settings.max_batch,
+        max_pending_rounds=settings.max_pending_rounds,
+        group=group,
+    )
+    log.info("rank %d of %d: following rank 0", group.rank, group.size)
+    log.setLevel(logging.WARNING)  # rank 0 logs each request; the others' lines would repeat it
+    worker._run()  # until rank 0 stops
+    return EXIT_ENGINE_FAILURE if failed else 0
+
+
+def start_group(settings: RunnerSettings, argv: list[str], server, log):
+    """Rank 0 of a group: check the model can be split, start the other ranks, form the group, and stop the
+    process as soon as any of them dies (the supervisor restarts the runner). Returns the Group and the
+    Followers; raises GroupError with one line."""
+    import tempfile
+
+    from .group import EXIT_GROUP_FAILURE, Followers, GroupError, join, shard_problem
+
+    problem = shard_problem(settings.target, settings.ranks)
+    if problem:
+        raise GroupError(f"{settings.target} cannot be split across {settings.ranks} processes: {problem}")
+    followers = Followers(settings.ranks, argv, Path(tempfile.gettempdir()) / f"mlxserve-groups-{os.getuid()}")
+    try:
+        group = join(0, followers.hostfile)
+    except GroupError:
+        followers.kill()
+        raise
+
+    def on_death(rank: int, code: int) -> None:
+        if code == 0:  # told to stop
+            return
+        cause = f"signal {-code}" if code < 0 else f"exit code {code}"
+        log.error("rank %d of the group (pid %d) ended with %s: the group stops", rank, followers.pids[rank - 1], cause)
+        followers.kill()
+        os._exit(EXIT_GROUP_FAILURE)
+
+    followers.watch(on_death)
+    server.service.rank_pids = followers.pids
+    log.info("group of %d ranks formed (pids %s)", settings.ranks, ", ".join(map(str, followers.pids)))
+    return group, followers
+
+
 def main(argv=None) -> int:
     reexec_with_fast_blas()
     args, settings = parse_args(argv)
     logs.setup("runner", args.log_format, model=settings.name)
     log = logging.getLogger("runner")
     die_with_parent(args.parent_pid or os.getppid())
+    if settings.kv_bits and settings.max_batch > 1:
+        # mlx-lm's batched caches refuse quantized layers: a quantized KV cache decodes one request at a time.
+        if not args.group_rank:
+            log.warning("kv_bits = %d: requests are decoded one at a time (max_batch 1)", settings.kv_bits)
+        settings = dataclasses.replace(settings, max_batch=1)
+    if args.group_rank:
+        return follow(args, settings)
 
     from common.errors import ModelLoadError
 
@@ -113,10 +197,6 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    if settings.kv_bits and settings.max_batch > 1:
-        # mlx-lm's batched caches refuse quantized layers: a quantized KV cache decodes one request at a time.
-        log.warning("kv_bits = %d: requests are decoded one at a time (max_batch 1)", settings.kv_bits)
-        settings = dataclasses.replace(settings, max_batch=1)
     os.umask(0o077)  # the socket file: owner only
     try:
         if args.listen.startswith("unix:"):
@@ -138,12 +218,24 @@ def main(argv=None) -> int:
     log.info("listening on %s; loading %s (draft %s)", args.listen, settings.target, settings.draft)
 
     started = time.perf_counter()
+    group = followers = None
+    if settings.ranks > 1:
+        from .group import GroupError
+
+        try:
+            group, followers = start_group(settings, list(sys.argv[1:] if argv is None else argv), server, log)
+        except (GroupError, OSError) as error:
+            print(f"runner: {error}", file=sys.stderr)
+            server.server.stop(0)
+            return EXIT_BAD_START
     try:
-        engine = Engine.load(settings.target, settings.draft, settings)
+        engine = Engine.load(settings.target, settings.draft, settings, group=group)
         engine.warm_up()
     except ModelLoadError as error:
         print(f"runner: {error}", file=sys.stderr)
         server.server.stop(0)
+        if followers is not None:
+            followers.kill()
         return EXIT_BAD_START
 
     def on_fatal(error):
@@ -152,6 +244,8 @@ def main(argv=None) -> int:
 
     if signalled:
         server.shutdown(0)
+        if followers is not None:
+            followers.kill()
         return 0
     server.attach(engine, on_fatal)
     log.info(
@@ -180,6 +274,8 @@ def main(argv=None) -> int:
         pass
     log.info("stopping (grace %.1f s)", settings.grace)
     server.shutdown(settings.grace if exit_code[0] == 0 else 1.0)
+    if followers is not None:  # the MLX thread told them to stop as it ended
+        followers.stop()
     if args.listen.startswith("unix:"):
         Path(args.listen.removeprefix("unix://")).unlink(missing_ok=True)
     log.info("stopped")

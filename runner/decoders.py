@@ -76,6 +76,7 @@ class Decoder:
         self.stop_ids: frozenset[int] = frozenset()  # tokens that end the request: never forced ahead
         self.bias: mx.array | None = None  # added to every row the request chooses from (logit_bias)
         self.penalties: Penalties | None = None  # presence, frequency and repetition penalties (runner.penalties)
+        self.group = None  # a runner.group.Group: rank 0's depth choices are every rank's (set by the engine)
         self.kv = None  # a runner.kv_quant.KVQuantization: the target's cache is quantized once due (set by the engine)
         # score(logits, tokens): the prompt's positions as the target prefills them (prompt logprobs), or None
         self.score_prompt = None
@@ -123,6 +124,11 @@ class Decoder:
         if sizes is not None:
             sizes.append(size)
         return offset + size >= len(context)
+
+    def _choose_depth(self) -> int:
+        """The adaptive controller's depth for the next round; in a group, rank 0's (it times rounds)."""
+        depth = self.depth.choose()
+        return depth if self.group is None else self.group.share_int(depth)
 
     def quantize_due(self) -> None:
         """Quantize the target's cache in place once it holds more than ``kv.start`` tokens (``kv_bits``)."""
@@ -422,7 +428,7 @@ class SpeculativeDecoder(Decoder):
         # While the drafter would likely have nothing (the n-gram lookup finds no earlier occurrence of the
         # context's end), plain rounds keep the pipeline going; the depth controller is asked only when a
         # round could draft.
-        wanted = self.depth.choose() if self.drafter.ready() else 0
+        wanted = self._choose_depth() if self.drafter.ready() else 0
         k = 0
         if wanted == 0:  # a plain round, pipelined
             step = self._pipelined_step(budget)
@@ -446,7 +452,7 @@ class SpeculativeDecoder(Decoder):
         """A round under the grammar; the depth controller learns only from rounds its drafter proposed (forced
         tokens are certain: they say nothing of the drafter)."""
         started = self._last_end
-        k = self.depth.choose() if self.drafter.ready() else 0
+        k = self._choose_depth() if self.drafter.ready() else 0
         step = self._constrained_round(budget, k)
         self._last_end = time.perf_counter()
         if not step.forced:

@@ -92,8 +92,15 @@ class Engine:
     runs one request alone (``runner.worker`` interleaves and batches them)."""
 
     def __init__(
-        self, target: LoadedModel, draft: LoadedModel | None, settings: RunnerSettings, dtype_reason: str = ""
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | None,
+        settings: RunnerSettings,
+        dtype_reason: str = "",
+        group=None,
     ):
+        self.group = group  # a runner.group.Group when the target is split across processes
+        self.rank_memory: list[int] = []  # in a group: MLX's active bytes of each rank after loading
         self.target = target
         self.draft = draft
         self.settings = settings
@@ -111,9 +118,11 @@ class Engine:
         self.cache_limit = apply_cache_limit(settings.cache_limit)
         self.total_releases = 0
         self.kv = self._kv_quantization(settings)
-        budget = settings.prompt_cache
+        budget = default_prompt_cache_bytes() if settings.prompt_cache is None else settings.prompt_cache
+        if group is not None:  # the same entries on every rank: the same budget
+            budget = group.share_int(budget)
         self.prompt_cache = PromptCache(
-            default_prompt_cache_bytes() if budget is None else budget,
+            budget,
             self._disk_tier(settings),
             cold_after=0.0 if self.kv is not None else settings.prompt_cache_cold_after,
         )
@@ -209,7 +218,7 @@ class Engine:
         return f"speculative: {source}, {depth}"
 
     @classmethod
-    def load(cls, target_dir, draft_dir=None, settings: RunnerSettings | None = None) -> Engine:
+    def load(cls, target_dir, draft_dir=None, settings: RunnerSettings | None = None, group=None) -> Engine:
         settings = settings or RunnerSettings()
         folders = [Path(target_dir)] + ([Path(draft_dir)] if draft_dir else [])
         dtype, reason = settings.dtype, ""
@@ -228,11 +237,16 @@ class Engine:
                 )
             else:
                 dtype = auto_dtype()
-        target = load_model(folders[0], dtype, settings.max_context or None)
+        if group is not None:  # every rank loads in rank 0's dtype (free memory differs between them)
+            dtype, reason = group.share((dtype, reason))
+        target = load_model(folders[0], dtype, settings.max_context or None, group=group)
         draft = load_model(folders[1], dtype, settings.max_context or None) if draft_dir else None
         if draft is not None:
             check_same_vocabulary(target, draft)
-        return cls(target, draft, settings, reason)
+        engine = cls(target, draft, settings, reason, group)
+        if group is not None:  # what each rank holds once loaded (Info.rank_memory): its share of the weights
+            engine.rank_memory = group.gather_int(mx.get_active_memory())
+        return engine
 
     @property
     def context_length(self) -> int:
@@ -312,12 +326,15 @@ class Engine:
         heads = max(
             getattr(m.model.args, "num_attention_heads", 1) or 1 for m in filter(None, (self.target, self.draft))
         )
-        return PrefillPlanner(
+        planner = PrefillPlanner(
             heads,
             self.settings.prefill_chunk,
             self.settings.prefill_seconds,
             self.settings.prefill_score_bytes if self.device == "cpu" else None,
         )
+        if self.group is not None:  # chunk sizes come from measured times: rank 0's are everyone's
+            planner.share = self.group.share_int
+        return planner
 
     def session(self, prepared: PreparedRequest) -> Session:
         """A session for one prepared request, from its parts: the decoder (on the caches a prompt-cache hit
@@ -340,6 +357,7 @@ class Engine:
         decoder = self._decoder(prepared, reuse)
         decoder.constraint = prepared.constraint
         decoder.kv = self.kv
+        decoder.group = self.group
         decoder.stop_ids = prepared.eos_ids
         decoder.set_logit_bias(prepared.request.logit_bias, self.vocab_size)
         request = prepared.request

@@ -107,11 +107,13 @@ def _dtype_name(model) -> str:
 
 
 def load_model(
-    folder: str | Path, dtype: str, max_context: int | None = None, row_padding: bool | None = None
+    folder: str | Path, dtype: str, max_context: int | None = None, row_padding: bool | None = None, group=None
 ) -> LoadedModel:
     """Load one mlx-lm folder in ``dtype`` ("checkpoint" or "float32"); every failure is a ModelLoadError.
 
-    ``row_padding``: run one-row products as two rows (``runner.row_padding``); None = where it applies."""
+    ``row_padding``: run one-row products as two rows (``runner.row_padding``); None = where it applies.
+    ``group``: a ``runner.group.Group``: keep this rank's share of the weights (mlx-lm's ``shard``), before
+    any layer is wrapped."""
     from mlx_lm.utils import load as mlx_lm_load
 
     if row_padding is None:
@@ -128,6 +130,9 @@ def load_model(
             dequantize_model(model)
             model.set_dtype(mx.float32)
         mx.eval(model.parameters())
+        if group is not None:
+            model.shard(group.group)
+            mx.eval(model.parameters())
         mx.clear_cache()
         padded = pad_single_rows(model) if row_padding else 0
         plain = use_plain_attention(model) if plain_attention_applies() else 0

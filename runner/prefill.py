@@ -60,6 +60,7 @@ class PrefillPlanner:
         self.first_chunk = first_chunk
         self.rate: float | None = None  # seconds per (token x context token)
         self.sizes: list[int] = []
+        self.share = None  # in a runner group, rank 0's size is every rank's (runner.group)
 
     def memory_limit(self, offset: int) -> int:
         if self.score_bytes is None:
@@ -79,6 +80,8 @@ class PrefillPlanner:
 
     def next_chunk(self, offset: int, remaining: int) -> int:
         size = min(remaining, self.max_chunk, self.memory_limit(offset), self.time_limit(offset))
+        if self.share is not None:
+            size = self.share(size)
         self.sizes.append(size)
         return size
 

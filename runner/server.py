@@ -178,6 +178,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         self.debug_rpcs = debug_rpcs
         self.engine: Engine | None = None
         self.worker: MlxWorker | None = None
+        self.rank_pids: list[int] = []  # a runner group's other ranks (runner.group.Followers)
         self._process = psutil.Process()
 
     def _ready(self) -> MlxWorker:
@@ -281,6 +282,9 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             kv_bits=engine.kv.bits if engine.kv else 0,
             kv_group_size=engine.kv.group_size if engine.kv else 0,
             quantized_kv_start=engine.kv.start if engine.kv else 0,
+            ranks=engine.group.size if engine.group else 1,
+            rank_pids=self.rank_pids,
+            rank_memory=engine.rank_memory,
             num_draft_tokens=engine.default_num_draft_tokens,
             release_interval=engine.settings.release_interval,
             release_enabled=engine.settings.release_enabled,
@@ -323,7 +327,10 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
 
     def ReleaseMemory(self, message, context):
         worker = self._ready()
-        released = worker.call(lambda: self.engine.release_memory(prompt_cache=message.prompt_cache)).result()
+        released = worker.call(
+            lambda: self.engine.release_memory(prompt_cache=message.prompt_cache),
+            mirror=("release_memory", {"prompt_cache": message.prompt_cache}),  # every rank's prompt cache
+        ).result()
         log.info(
             "released on request: %d prompt-cache entries (%d bytes), %d quantized (%d bytes saved), "
             "then the pool: %d -> %d bytes",
@@ -416,6 +423,7 @@ class RunnerServer:
             name=self.service.name,
             max_batch=self.max_batch,
             max_pending_rounds=self.max_pending_rounds,
+            group=engine.group,
         )
         worker.start()
         self.service.worker = worker

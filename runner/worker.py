@@ -21,6 +21,7 @@ requests active, each a ``Session`` (``runner.session``), and loops:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -54,6 +55,7 @@ class GenerationJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     session: Session | None = None  # once admitted
     on_prefilled: Callable[[GenerationJob], None] | None = None  # called once, on the MLX thread, after its prefill
+    cancelled_before: bool = False  # in a runner group: cancelled before admission, as rank 0 shared it
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -69,6 +71,16 @@ class GenerationJob:
             yield item
 
 
+class _Discard:
+    """A follower rank's answer queue: rank 0 answers the client; the others' rounds go nowhere."""
+
+    def put(self, item) -> None:
+        pass
+
+    def qsize(self) -> int:
+        return 0
+
+
 class MlxWorker:
     def __init__(
         self,
@@ -78,8 +90,14 @@ class MlxWorker:
         name: str = "runner",
         max_batch: int = 1,
         max_pending_rounds: int = MAX_PENDING_ROUNDS,
+        group=None,
     ):
         self.engine = engine
+        # A runner group (runner.group): every rank runs this loop; what only rank 0 knows (arrivals,
+        # cancellations, slow clients, controls) is shared where it is decided, so every rank takes the same
+        # turns with the same requests. Ranks 1..N-1 serve nobody: their answers are discarded.
+        self.group = group
+        self.follower = group is not None and not group.leader
         self.max_queue = max_queue
         self.max_batch = max(1, max_batch)
         self.max_pending_rounds = max_pending_rounds
@@ -87,7 +105,7 @@ class MlxWorker:
         self._on_fatal = on_fatal or (lambda error: None)
         self._lock = threading.Condition()
         self._jobs: collections.deque[GenerationJob] = collections.deque()  # waiting, not yet admitted
-        self._controls: collections.deque[tuple[callable, Future]] = collections.deque()
+        self._controls: collections.deque[tuple[callable, Future, tuple | None]] = collections.deque()
         self._active: list[GenerationJob] = []  # admitted: prefilling or decoding
         self._batch = Batch(engine.target.model, engine.release_memory, engine.settings.release_enabled)
         self._planner = engine.prefill_planner()  # its limits size the prefill passes requests share
@@ -116,13 +134,15 @@ class MlxWorker:
             self._lock.notify()
         return job
 
-    def call(self, fn) -> Future:
-        """Run ``fn()`` on the MLX thread at the next safe point."""
+    def call(self, fn, mirror: tuple[str, dict] | None = None) -> Future:
+        """Run ``fn()`` on the MLX thread at the next safe point. ``mirror``: in a runner group, the engine
+        method and arguments every other rank runs at the same point (a control that changes what the ranks
+        must agree on, such as emptying the prompt cache)."""
         future: Future = Future()
         with self._lock:
             if self._stopping and not self._thread.is_alive():
                 raise WorkerStopped(f"runner {self.name}: shutting down")
-            self._controls.append((fn, future))
+            self._controls.append((fn, future, mirror))
             self._lock.notify()
         return future
 
@@ -169,20 +189,33 @@ class MlxWorker:
 
     # -- the MLX thread --------------------------------------------------------
 
+    def _shared(self, value):
+        """``value`` as rank 0 has it (alone: as it is)."""
+        return value if self.group is None else self.group.share(value)
+
     def _run(self) -> None:
         while True:
-            with self._lock:
-                while not (self._jobs or self._controls or self._stopping or self._active):
+            if not self.follower:  # a follower waits inside the next share, for rank 0's turn
+                with self._lock:
+                    while not (self._jobs or self._controls or self._stopping or self._active):
+                        self.heartbeat = time.monotonic()
+                        self._lock.wait(0.5)
                     self.heartbeat = time.monotonic()
-                    self._lock.wait(0.5)
-                self.heartbeat = time.monotonic()
-                if self._stopping and not (self._jobs or self._controls or self._active):
-                    return
+                    stop = self._stopping and not (self._jobs or self._controls or self._active)
+            else:
+                stop = False
+            if self.group is not None:
+                stop = bool(self.group.share_int(stop))
+            if stop:
+                return
             self._run_controls()  # before admitting: the jobs queued while a control ran start at this turn too
-            with self._lock:
-                admitted = []
-                while self._room_for_next(admitted):
-                    admitted.append(self._jobs.popleft())
+            admitted = []
+            if not self.follower:
+                with self._lock:
+                    while self._room_for_next(admitted):
+                        admitted.append(self._jobs.popleft())
+            if self.group is not None:
+                admitted = self._shared_admissions(admitted)
             try:
                 for job in admitted:
                     self._admit(job)
@@ -194,6 +227,23 @@ class MlxWorker:
                 self._on_fatal(error)
                 return
 
+    def _shared_admissions(self, admitted: list[GenerationJob]) -> list[GenerationJob]:
+        """Rank 0's admissions of this turn on every rank: each request with its seed, whether it was
+        cancelled while it waited, and whether it shares its prefill (n > 1); a follower makes its own jobs."""
+        plan = self.group.share(
+            [(j.request.request, j.request.seed, j.cancelled.is_set(), j.on_prefilled is not None) for j in admitted]
+        )
+        if not self.follower:
+            for job, (_, _, cancelled, _) in zip(admitted, plan or []):
+                job.cancelled_before = cancelled  # as shared: a cancel since then counts at the next turn
+            return admitted
+        jobs = []
+        for request, seed, cancelled, shares in plan or []:
+            prepared = dataclasses.replace(self.engine.prepare(request), seed=seed)
+            hook = (lambda job: self.engine.share_prefill(job.session)) if shares else None
+            jobs.append(GenerationJob(prepared, rounds=_Discard(), on_prefilled=hook, cancelled_before=cancelled))
+        return jobs
+
     def _room_for_next(self, admitted: list | None = None) -> bool:
         """Whether the next waiting job may start now: a place in the batch, and room for its cache next to
         the active ones' (``runner.batch_memory``). Under the lock."""
@@ -203,20 +253,28 @@ class MlxWorker:
         return len(active) < self.max_batch and self.memory.admits([j.request for j in active], self._jobs[0].request)
 
     def _run_controls(self) -> None:
-        while True:
+        mirrors = []
+        while not self.follower:
             with self._lock:
                 if not self._controls:
-                    return
-                fn, future = self._controls.popleft()
+                    break
+                fn, future, mirror = self._controls.popleft()
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
                     self.heartbeat = time.monotonic()
                 except BaseException as error:  # noqa: BLE001 - handed to the caller
                     future.set_exception(error)
+            if mirror is not None:
+                mirrors.append(mirror)
+        if self.group is not None:
+            mirrors = self._shared(mirrors)
+            if self.follower:
+                for name, kwargs in mirrors or []:
+                    getattr(self.engine, name)(**kwargs)
 
     def _admit(self, job: GenerationJob) -> None:
-        if job.cancelled.is_set():
+        if job.cancelled_before if self.group is not None else job.cancelled.is_set():
             job.rounds.put(None)
             return
         log.info("request %s: start", job.request.request_id or "-")
@@ -232,6 +290,11 @@ class MlxWorker:
     def _turn(self) -> None:
         """One unit of work for every active request: a prefill chunk, or a decode step."""
         cancelled = [j for j in self._active if j.cancelled.is_set()]
+        if self.group is not None:  # rank 0's view, at this point, on every rank
+            shared = self._shared([self._active.index(j) for j in cancelled]) or []
+            cancelled = [self._active[i] for i in shared]
+            for job in cancelled:
+                job.cancelled.set()
         for job in cancelled:
             job.session.cancel()
         if cancelled:
@@ -243,6 +306,8 @@ class MlxWorker:
         # Company is coming when someone is prefilling, or waiting with room to be admitted.
         with self._lock:
             waiting = self._room_for_next()
+        if self.group is not None:
+            waiting = bool(self.group.share_int(waiting))
         waiting = waiting or any(not j.session.prefilled for j in self._active)
         if len(decoding) == 1 and not waiting:
             self._solo(decoding[0])
@@ -256,6 +321,8 @@ class MlxWorker:
         needs = [(job, job.session.joint_prefill()) for job in prefilling]
         joint = [(job, need) for job, need in needs if need is not None]
         groups = joint_groups([need for _, need in joint], self._planner) if len(joint) > 1 else []
+        if self.group is not None and len(joint) > 1:  # sized from measured times: rank 0's grouping
+            groups = self._shared(groups) or []
         shared = [[joint[i][0] for i in group] for group in groups if len(group) > 1]
         together = {id(job) for group in shared for job in group}
         for group in shared + [[job] for job in prefilling if id(job) not in together]:
@@ -315,15 +382,22 @@ class MlxWorker:
         for job, round_ in delivered:
             if not job.session.done:
                 job.rounds.put(round_)
-                if job.rounds.qsize() > self.max_pending_rounds:
-                    job.session.error = ClientTooSlow(
-                        f"the client reads too slowly: {self.max_pending_rounds} rounds were waiting for it, so "
-                        f"the generation was stopped after {job.session.stats.generated_tokens} tokens"
-                    )
-                    job.session.cancel()
-                    ended.append((job, None))
+        slow = [i for i, (job, _) in enumerate(delivered) if not job.session.done and self._too_slow(job)]
+        if self.group is not None:  # rank 0's clients decide, for every rank
+            slow = self._shared(slow) or []
+        for i in slow:
+            job = delivered[i][0]
+            job.session.error = ClientTooSlow(
+                f"the client reads too slowly: {self.max_pending_rounds} rounds were waiting for it, so "
+                f"the generation was stopped after {job.session.stats.generated_tokens} tokens"
+            )
+            job.session.cancel()
+            ended.append((job, None))
         if ended:
             self._end(ended)
+
+    def _too_slow(self, job: GenerationJob) -> bool:
+        return job.rounds.qsize() > self.max_pending_rounds
 
     def _end(self, ended: list[tuple[GenerationJob, Round | None]]) -> None:
         """Finish requests: (job, its last round or None). Those in the batch leave it in one go - one copy of

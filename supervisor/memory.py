@@ -68,6 +68,7 @@ class Sample:
     anonymous: int
     pss: int = 0
     uss: int = 0
+    process_rss: tuple[int, ...] = ()  # each process of the tree: the runner, then a group's other ranks
 
 
 @dataclass
@@ -110,10 +111,12 @@ class RunnerMemory:
 def sample_tree(pid: int, count: int, previous: Sample) -> Sample:
     root = psutil.Process(pid)
     rss = anonymous = pss = uss = 0
+    each = []
     full = count % FULL_INFO_EVERY == 0
     for process in [root, *root.children(recursive=True)]:
         try:
             info = process.memory_info()
+            each.append(info.rss)
             rss += info.rss
             anonymous += info.rss - getattr(info, "shared", 0)
             if full:
@@ -124,7 +127,7 @@ def sample_tree(pid: int, count: int, previous: Sample) -> Sample:
             continue
     if not full:
         pss, uss = previous.pss, previous.uss
-    return Sample(time.monotonic(), rss, anonymous, pss, uss)
+    return Sample(time.monotonic(), rss, anonymous, pss, uss, tuple(each))
 
 
 class AdmissionRefused(Exception):
@@ -158,6 +161,7 @@ class Estimates:
             runtime_overhead=self.runtime_overhead,
             kv_bits=model.runner.kv_bits,
             kv_group_size=model.runner.kv_group_size,
+            ranks=model.runner.ranks,
         )
         return needed, dtype
 

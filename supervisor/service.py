@@ -272,6 +272,7 @@ class Supervisor:
                 current.pss,
                 current.uss,
             )
+            sample.process_rss.extend(current.process_rss)
         return supervisor_pb2.ModelStatus(
             name=runner.name,
             state=STATES[runner.state],

@@ -43,11 +43,17 @@ EVERY_SETTING_CHANGED = RunnerSettings(
 )
 
 
+# ranks goes with neither disk nor cold tier: its own case.
+A_GROUP = RunnerSettings(target=DEFAULT_TARGET, ranks=2)
+
+
 def test_every_setting_survives_the_command_line():
-    for f in dataclasses.fields(RunnerSettings):
-        assert getattr(EVERY_SETTING_CHANGED, f.name) != f.default, f.name  # the case covers every field
-    args, settings = parse_args(["--listen", "unix:///tmp/x.sock", *EVERY_SETTING_CHANGED.to_argv()])
-    assert settings == EVERY_SETTING_CHANGED and args.listen == "unix:///tmp/x.sock"
+    for f in dataclasses.fields(RunnerSettings):  # the cases cover every field
+        changed = getattr(EVERY_SETTING_CHANGED, f.name) != f.default or getattr(A_GROUP, f.name) != f.default
+        assert changed, f.name
+    for case in (EVERY_SETTING_CHANGED, A_GROUP):
+        args, settings = parse_args(["--listen", "unix:///tmp/x.sock", *case.to_argv()])
+        assert settings == case and args.listen == "unix:///tmp/x.sock"
 
 
 def test_defaults_make_no_flags_and_parse_back_to_defaults():

@@ -101,7 +101,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[_runner_pb2.ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ..., grammar: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_context: _Optional[int] = ..., resume_ids: _Optional[_Iterable[int]] = ..., resume_text: _Optional[int] = ..., n: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class MemorySample(_message.Message):
-    __slots__ = ("rss", "anonymous", "pss", "uss", "peak_rss", "growth_bytes_per_s", "mlx_active", "mlx_cache", "mlx_peak", "mlx_releases", "soft_limit", "hard_limit", "history_samples", "estimate", "prompt_cache", "queued", "active_requests")
+    __slots__ = ("rss", "anonymous", "pss", "uss", "peak_rss", "growth_bytes_per_s", "mlx_active", "mlx_cache", "mlx_peak", "mlx_releases", "soft_limit", "hard_limit", "history_samples", "estimate", "prompt_cache", "queued", "active_requests", "process_rss")
     RSS_FIELD_NUMBER: _ClassVar[int]
     ANONYMOUS_FIELD_NUMBER: _ClassVar[int]
     PSS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class MemorySample(_message.Message):
     PROMPT_CACHE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_RSS_FIELD_NUMBER: _ClassVar[int]
     rss: int
     anonymous: int
     pss: int
@@ -136,7 +137,8 @@ class MemorySample(_message.Message):
     prompt_cache: _runner_pb2.PromptCacheStats
     queued: int
     active_requests: int
-    def __init__(self, rss: _Optional[int] = ..., anonymous: _Optional[int] = ..., pss: _Optional[int] = ..., uss: _Optional[int] = ..., peak_rss: _Optional[int] = ..., growth_bytes_per_s: _Optional[float] = ..., mlx_active: _Optional[int] = ..., mlx_cache: _Optional[int] = ..., mlx_peak: _Optional[int] = ..., mlx_releases: _Optional[int] = ..., soft_limit: _Optional[int] = ..., hard_limit: _Optional[int] = ..., history_samples: _Optional[int] = ..., estimate: _Optional[int] = ..., prompt_cache: _Optional[_Union[_runner_pb2.PromptCacheStats, _Mapping]] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    process_rss: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rss: _Optional[int] = ..., anonymous: _Optional[int] = ..., pss: _Optional[int] = ..., uss: _Optional[int] = ..., peak_rss: _Optional[int] = ..., growth_bytes_per_s: _Optional[float] = ..., mlx_active: _Optional[int] = ..., mlx_cache: _Optional[int] = ..., mlx_peak: _Optional[int] = ..., mlx_releases: _Optional[int] = ..., soft_limit: _Optional[int] = ..., hard_limit: _Optional[int] = ..., history_samples: _Optional[int] = ..., estimate: _Optional[int] = ..., prompt_cache: _Optional[_Union[_runner_pb2.PromptCacheStats, _Mapping]] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., process_rss: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
     __slots__ = ("name", "state", "reason", "pid", "restarts", "last_used_s_ago", "memory", "target", "draft", "in_flight", "generated_tokens", "acceptance_rate", "loading_s", "last_load_s")
