@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import platform
+import re
 import struct
 import sys
 from dataclasses import dataclass
@@ -114,6 +115,9 @@ class ModelFootprint:
     heads: int
     head_dim: int
     context_length: int
+    # Weights outside the layer stack (embeddings, final norm, head): whole on every rank of a group.
+    unsplit_checkpoint_bytes: int = 0
+    unsplit_float32_bytes: int = 0
 
     @classmethod
     def of(cls, folder: str | Path) -> ModelFootprint:
@@ -128,31 +132,9 @@ class ModelFootprint:
         quantization = config.get("quantization") or config.get("quantization_config")
         if not isinstance(quantization, dict) or "bits" not in quantization:
             quantization = None
-        parameters = checkpoint = float32 = 0
-        float_widths = set()
-        for name, info in tensors.items():
-            itemsize = SAFETENSORS_ITEMSIZE.get(info["dtype"], 4)
-            count = 1
-            for dim in info["shape"]:
-                count *= dim
-            checkpoint += count * itemsize
-            if info["dtype"] in FLOAT_DTYPES:
-                float_widths.add(info["dtype"])
-            base = name.removesuffix(".weight")
-            if name.endswith(".weight") and f"{base}.scales" in tensors:
-                scales = tensors[f"{base}.scales"]["shape"]
-                group_size = _group_size(quantization, base)
-                unpacked = 1
-                for dim in scales[:-1]:
-                    unpacked *= dim
-                unpacked *= scales[-1] * group_size
-                parameters += unpacked
-                float32 += unpacked * 4
-            elif name.endswith((".scales", ".biases")) and f"{name.rsplit('.', 1)[0]}.weight" in tensors:
-                continue  # part of a quantized weight: counted with it
-            else:
-                parameters += count
-                float32 += count * 4
+        parameters, checkpoint, float32, float_widths = _weigh(tensors, quantization)
+        outside = {name: info for name, info in tensors.items() if not _LAYER.search(name)}
+        _, unsplit_checkpoint, unsplit_float32, _ = _weigh(outside, quantization, tensors)
         args = text_config(config)
         heads = int(args.get("num_attention_heads") or args.get("n_head") or 1)
         hidden = int(args.get("hidden_size") or args.get("d_model") or 0)
@@ -173,11 +155,17 @@ class ModelFootprint:
             heads=heads,
             head_dim=head_dim,
             context_length=context_length(config),
+            unsplit_checkpoint_bytes=unsplit_checkpoint,
+            unsplit_float32_bytes=unsplit_float32,
         )
 
     def weight_bytes(self, dtype: str) -> int:
         """Weights in memory for a resolved dtype, "checkpoint" or "float32"."""
         return self.float32_bytes if dtype == "float32" else self.checkpoint_bytes
+
+    def unsplit_bytes(self, dtype: str) -> int:
+        """Weights every rank of a group holds whole (outside the layers) for a resolved dtype."""
+        return self.unsplit_float32_bytes if dtype == "float32" else self.unsplit_checkpoint_bytes
 
     def kv_itemsize(self, dtype: str) -> int:
         if dtype == "float32":
@@ -191,6 +179,41 @@ class ModelFootprint:
         itemsize = self.kv_itemsize(dtype)
         per_value = kv_bits / 8 + 2 * itemsize / kv_group_size if kv_bits else itemsize
         return int(self.layers * self.kv_heads * self.head_dim * 2 * per_value * steps)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
+
+
+def _weigh(tensors: dict, quantization: dict | None, every: dict | None = None) -> tuple[int, int, int, set]:
+    """(parameters, checkpoint bytes, float32 bytes, float dtypes stored) of ``tensors`` (safetensors header
+    entries); ``every``: all the checkpoint's entries, where a quantized weight's scales are looked up."""
+    every = tensors if every is None else every
+    parameters = checkpoint = float32 = 0
+    float_widths = set()
+    for name, info in tensors.items():
+        itemsize = SAFETENSORS_ITEMSIZE.get(info["dtype"], 4)
+        count = 1
+        for dim in info["shape"]:
+            count *= dim
+        checkpoint += count * itemsize
+        if info["dtype"] in FLOAT_DTYPES:
+            float_widths.add(info["dtype"])
+        base = name.removesuffix(".weight")
+        if name.endswith(".weight") and f"{base}.scales" in every:
+            scales = every[f"{base}.scales"]["shape"]
+            group_size = _group_size(quantization, base)
+            unpacked = 1
+            for dim in scales[:-1]:
+                unpacked *= dim
+            unpacked *= scales[-1] * group_size
+            parameters += unpacked
+            float32 += unpacked * 4
+        elif name.endswith((".scales", ".biases")) and f"{name.rsplit('.', 1)[0]}.weight" in every:
+            continue  # part of a quantized weight: counted with it
+        else:
+            parameters += count
+            float32 += count * 4
+    return parameters, checkpoint, float32, float_widths
 
 
 def _group_size(quantization: dict | None, layer: str) -> int:
@@ -286,11 +309,13 @@ def estimate(
 ) -> Estimate:
     """Peak memory of a runner serving ``footprints`` (target first) at ``dtype`` over ``context`` tokens; with
     ``kv_bits`` the target's KV cache is counted quantized (the draft's stays float). With ``ranks`` > 1 (a
-    runner group, all on this host) the sum over its processes: the target's weights and cache split between
-    them, and per process a whole draft, its cache, a prefill's transient and the runtime."""
+    runner group, all on this host) the sum over its processes: the target's layers and cache split between
+    them, and per process the target's weights outside its layers (embeddings, head: whole on every rank, in
+    both tensor and pipeline parallelism), a whole draft, its cache, a prefill's transient and the runtime."""
     target, drafts = footprints[0], footprints[1:]
     tokens = min(context or target.context_length, target.context_length)
-    weights = int(target.weight_bytes(dtype) * (1 + LOAD_SLACK)) + ranks * sum(
+    unsplit = (ranks - 1) * target.unsplit_bytes(dtype)
+    weights = int((target.weight_bytes(dtype) + unsplit) * (1 + LOAD_SLACK)) + ranks * sum(
         int(f.weight_bytes(dtype) * (1 + LOAD_SLACK)) for f in drafts
     )
     kv = target.kv_bytes(dtype, tokens, kv_bits, kv_group_size) + ranks * sum(f.kv_bytes(dtype, tokens) for f in drafts)

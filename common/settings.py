@@ -148,6 +148,28 @@ _PARSERS = {
 
 
 MAX_RANKS = 8
+PARALLELISMS = ("auto", "tensor", "pipeline")
+BACKENDS = ("ring", "nccl")  # what runner.group starts ranks for
+BACKENDS_NOT_WIRED = {
+    "mpi": " (mpirun starts MPI ranks; mlxserve starts its own)",
+    "jaccl": " (JACCL's RDMA device lists are not wired yet; ring runs over Thunderbolt's IP too)",
+}
+
+
+def read_hostfile(path: Path) -> list[list[str]]:
+    """MLX's hostfile: a JSON list, per rank, of "host:port" addresses (the ring backend's format)."""
+    import json
+
+    try:
+        hosts = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise SettingsError("hostfile", f"{path} cannot be read as JSON: {error}") from None
+    if not isinstance(hosts, list) or not all(
+        isinstance(h, list) and h and all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in h)
+        for h in hosts
+    ):
+        raise SettingsError("hostfile", f'{path} is not a list of ["host:port", ...] lists, one per rank')
+    return hosts
 
 
 def setting(default, kind: str, help: str, *, config: bool = True):
@@ -226,8 +248,26 @@ class RunnerSettings:
     ranks: int = setting(
         1,
         "int",
-        "processes the target is split across (tensor parallel over MLX's ring backend on this host; "
+        "processes the target is split across (a runner group over MLX's distributed backend; "
         "runner/group.py); 1 = one process",
+    )
+    parallelism: str = setting(
+        "auto",
+        "str",
+        "how a group splits the target: tensor (every layer's heads, mlx-lm's shard), pipeline (runs of "
+        "layers, runner/pipeline.py) or auto (tensor where the model splits evenly, else pipeline)",
+    )
+    backend: str = setting(
+        "ring",
+        "str",
+        "MLX's distributed backend for a group: ring (TCP; on every build) or nccl (CUDA builds)",
+    )
+    hostfile: Path | None = setting(
+        None,
+        "path",
+        "a group across hosts: MLX's hostfile (JSON, one list of host:port per rank, rank 0 first); rank 0 "
+        "runs here, each other rank under `python -m supervisor worker` on its host. none = every rank on "
+        "this host, started by rank 0",
     )
     batch_memory: int | None = setting(
         None,
@@ -294,6 +334,17 @@ class RunnerSettings:
             raise SettingsError("prefill_chunk", "must be positive")
         if not 1 <= self.ranks <= MAX_RANKS:
             raise SettingsError("ranks", f"must lie in [1, {MAX_RANKS}]")
+        if self.parallelism not in PARALLELISMS:
+            raise SettingsError("parallelism", f"{self.parallelism!r} is not one of {', '.join(PARALLELISMS)}")
+        if self.backend not in BACKENDS:
+            why = BACKENDS_NOT_WIRED.get(self.backend, "")
+            raise SettingsError("backend", f"{self.backend!r} is not one of {', '.join(BACKENDS)}{why}")
+        if self.backend == "nccl" and self.parallelism == "pipeline":
+            raise SettingsError("parallelism", "MLX's nccl backend has no send/recv, which a pipeline needs")
+        if self.hostfile is not None:
+            hosts = read_hostfile(self.hostfile)
+            if len(hosts) != self.ranks:
+                raise SettingsError("hostfile", f"{self.hostfile} names {len(hosts)} ranks; ranks is {self.ranks}")
         if self.ranks > 1 and self.prompt_cache_dir is not None:
             raise SettingsError("ranks", "a group keeps no disk tier yet: leave prompt_cache_dir unset")
         if self.ranks > 1 and self.prompt_cache_cold_after:

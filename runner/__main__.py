@@ -113,7 +113,8 @@ def follow(args, settings: RunnerSettings) -> int:
     if os.getppid() != args.parent_pid:
         return EXIT_BAD_START
     try:
-        group = join(args.group_rank, Path(args.group_hostfile))
+        group = join(args.group_rank, Path(args.group_hostfile), settings.backend)
+        group.mode = group.share()  # rank 0 chose tensor or pipeline
         engine = Engine.load(settings.target, settings.draft, settings, group=group)
         engine.warm_up()
     except (GroupError, ModelLoadError) as error:  # rank 0 meets the same and says it
@@ -141,14 +142,21 @@ def start_group(settings: RunnerSettings, argv: list[str], server, log):
     Followers; raises GroupError with one line."""
     import tempfile
 
-    from .group import EXIT_GROUP_FAILURE, Followers, GroupError, join, shard_problem
+    from .group import EXIT_GROUP_FAILURE, Followers, GroupError, choose_parallelism, join
 
-    problem = shard_problem(settings.target, settings.ranks)
-    if problem:
-        raise GroupError(f"{settings.target} cannot be split across {settings.ranks} processes: {problem}")
+    mode = choose_parallelism(settings.target, settings.ranks, settings.parallelism, settings.backend)
+    if settings.hostfile is not None:  # the other ranks run on their hosts, under `supervisor worker`
+        log.info(
+            "waiting for ranks 1..%d (%s backend, hostfile %s)", settings.ranks - 1, settings.backend, settings.hostfile
+        )
+        group = join(0, settings.hostfile, settings.backend, mode=mode)
+        group.share(mode)
+        log.info("group of %d ranks formed (%s parallel)", settings.ranks, mode)
+        return group, None
     followers = Followers(settings.ranks, argv, Path(tempfile.gettempdir()) / f"mlxserve-groups-{os.getuid()}")
     try:
-        group = join(0, followers.hostfile)
+        group = join(0, followers.hostfile, settings.backend, mode=mode)
+        group.share(mode)
     except GroupError:
         followers.kill()
         raise
@@ -163,7 +171,9 @@ def start_group(settings: RunnerSettings, argv: list[str], server, log):
 
     followers.watch(on_death)
     server.service.rank_pids = followers.pids
-    log.info("group of %d ranks formed (pids %s)", settings.ranks, ", ".join(map(str, followers.pids)))
+    log.info(
+        "group of %d ranks formed (%s parallel; pids %s)", settings.ranks, mode, ", ".join(map(str, followers.pids))
+    )
     return group, followers
 
 

@@ -1,10 +1,11 @@
 """A runner group: one model split across ``ranks`` processes on MLX's own distributed backend.
 
-Tensor parallel, as mlx-lm shards a model (``model.shard(group)``): every
-attention layer's heads and every MLP's hidden units are split between the
-ranks, and two ``all_sum`` collectives per layer join the halves. Each rank holds
-its share of the target's weights and of its KV cache; the draft model (small)
-is whole on every rank.
+Two ways to split (``parallelism``; ``choose_parallelism``). Tensor parallel, as mlx-lm shards a model
+(``model.shard(group)``): every attention layer's heads and every MLP's hidden units are split between the
+ranks, and two ``all_sum`` collectives per layer join the halves. Pipeline parallel (``runner.pipeline``):
+each rank holds a run of the layers and hands its hidden state to the next. Either way each rank holds its
+share of the target's layers and of its KV cache; the embeddings, the head and the draft model are whole on
+every rank. "auto" takes tensor where the model splits evenly, else pipeline.
 
 How the ranks stay in step. Every rank runs the same engine and the same MLX
 thread loop (``runner.worker``), so every forward pass, and every collective in
@@ -18,17 +19,22 @@ the draft depth of every round (the adaptive controller times rounds). The
 rest is deterministic on every rank: the sharded model's collectives give every
 rank the same logits, so the same seeded sampling gives the same tokens, the
 same drafts, the same rewinds, the same prompt-cache entries and the same
-releases. Rank 0 alone serves the runner's gRPC API.
+releases. Rank 0 alone serves the runner's gRPC API. An idle group's other
+ranks wait on rank 0's ``Doorbell``, not in a collective (where the ring
+backend polls a core).
 
-Start and faults (single host): rank 0 picks a free loopback port per rank,
+Start and faults. On one host, rank 0 picks a free loopback port per rank,
 writes the hostfile, and starts ranks 1..N-1 as its children; they die with it
-(``PR_SET_PDEATHSIG``). A rank that dies takes the group down: rank 0 exits
-(``EXIT_GROUP_FAILURE``) and the supervisor restarts the runner as after any
-crash, failing or resuming what was in flight. Ranks that do not all join
-within ``JOIN_TIMEOUT`` fail the start with one line naming the address.
-
-Not here: pipeline parallelism (mlx-lm has it for few architectures, none of
-this project's test models) and groups across hosts.
+(``PR_SET_PDEATHSIG``). Across hosts (a ``hostfile`` setting), rank 0 starts
+nobody: each other rank runs under ``python -m supervisor worker`` on its host
+(``supervisor.worker``), which starts it again whenever it ends. A rank that
+dies takes the group down: rank 0's next collective fails, or its watch of its
+children sees the death, and it exits (``EXIT_GROUP_FAILURE`` or an engine
+failure); the supervisor restarts the runner as after any crash, failing or
+resuming what was in flight. Ranks that do not all join within
+``JOIN_TIMEOUT`` fail the start with one line naming the addresses. The
+backend is MLX's ring (TCP) or, on CUDA builds, NCCL (``backend``); the
+variables each reads are set here as ``mlx.launch`` sets them.
 """
 
 from __future__ import annotations
@@ -92,14 +98,66 @@ def shard_problem(folder: Path, ranks: int) -> str:
     return ""
 
 
+class Doorbell:
+    """How rank 0 wakes an idle group: one plain TCP connection to each other rank.
+
+    A rank waiting inside a collective of MLX's ring backend polls its sockets and takes a whole core, so a
+    group left waiting for rank 0's next turn would burn one core per rank while nobody asks anything. When
+    rank 0 runs out of work it tells the others (a shared "idle" turn, ``runner.worker``); they then block in
+    ``wait`` (a plain ``recv``: no CPU) until rank 0 ``ring``s, as its next turn begins. A busy group never
+    touches these sockets. Keepalive probes end a wait whose rank 0 vanished without closing its end."""
+
+    def __init__(self, connections: list[socket.socket]):
+        self.connections = connections
+
+    @classmethod
+    def open(cls, group: Group, hostfile: Path, timeout: float = JOIN_TIMEOUT) -> Doorbell:
+        host = json.loads(Path(hostfile).read_text())[0][0].rpartition(":")[0]
+        if group.leader:
+            listener = socket.create_server((host, 0))
+            listener.settimeout(timeout)
+            group.share_int(listener.getsockname()[1])
+            try:
+                connections = [listener.accept()[0] for _ in range(group.size - 1)]
+            except TimeoutError:
+                raise GroupError(f"the other ranks did not connect to {host} within {timeout:.0f} s") from None
+            finally:
+                listener.close()
+        else:
+            port = group.share_int(None)
+            connections = [socket.create_connection((host, port), timeout)]
+        for connection in connections:
+            connection.settimeout(None)
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+                if hasattr(socket, option):
+                    connection.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        return cls(connections)
+
+    def ring(self) -> None:
+        for connection in self.connections:
+            connection.sendall(b"\x01")
+
+    def wait(self) -> None:
+        if not self.connections[0].recv(1):
+            raise GroupError("rank 0 closed the group")
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()
+
+
 class Group:
     """This process's place in a runner group, and the one way rank 0's decisions reach the others."""
 
-    def __init__(self, group):
+    def __init__(self, group, mode: str = "tensor"):
         self.group = group
+        self.mode = mode  # "tensor" (mlx-lm's shard) or "pipeline" (runner.pipeline)
         self.rank = group.rank()
         self.size = group.size()
         self.shares = 0  # decisions shared (each one or two collectives)
+        self.doorbell: Doorbell | None = None  # set by join
 
     @property
     def leader(self) -> bool:
@@ -134,15 +192,47 @@ class Group:
         return value if self.leader else pickle.loads(np.array(out).tobytes())
 
 
-def join(rank: int, hostfile: Path, timeout: float = JOIN_TIMEOUT) -> Group:
-    """Connect this rank to the group described by ``hostfile`` (MLX's ring backend), within ``timeout``."""
-    os.environ["MLX_RANK"] = str(rank)
-    os.environ["MLX_HOSTFILE"] = str(hostfile)
+def choose_parallelism(folder: Path, ranks: int, parallelism: str = "auto", backend: str = "ring") -> str:
+    """ "tensor" or "pipeline" for a group of ``ranks`` serving the model in ``folder``; raises GroupError with
+    the reason when the asked way (or, for "auto", neither way) can split it."""
+    from .pipeline import pipeline_problem
+
+    tensor = shard_problem(folder, ranks) if parallelism in ("auto", "tensor") else ""
+    if parallelism == "tensor" or (parallelism == "auto" and not tensor):
+        if tensor:
+            raise GroupError(f"{folder} cannot be split across {ranks} processes by tensor parallelism: {tensor}")
+        return "tensor"
+    piped = pipeline_problem(folder, ranks, backend)
+    if piped:
+        both = f"tensor parallel: {tensor}; pipeline: {piped}" if parallelism == "auto" else piped
+        raise GroupError(f"{folder} cannot be split across {ranks} processes ({both})")
+    return "pipeline"
+
+
+def backend_environment(rank: int, hostfile: Path, backend: str) -> dict[str, str]:
+    """The variables MLX's ``backend`` reads to form a group (as ``mlx.launch`` sets them)."""
+    env = {"MLX_RANK": str(rank)}
+    if backend == "ring":
+        env["MLX_HOSTFILE"] = str(hostfile)
+    elif backend == "nccl":  # rank 0's first address is the rendezvous
+        hosts = json.loads(Path(hostfile).read_text())
+        host, _, port = hosts[0][0].rpartition(":")
+        env.update(MLX_WORLD_SIZE=str(len(hosts)), NCCL_HOST_IP=host, NCCL_PORT=port)
+    return env
+
+
+def join(
+    rank: int, hostfile: Path, backend: str = "ring", timeout: float = JOIN_TIMEOUT, mode: str = "tensor"
+) -> Group:
+    """Connect this rank to the group described by ``hostfile`` on MLX's ``backend``, within ``timeout``."""
+    if not mx.distributed.is_available(backend=backend):
+        raise GroupError(f"MLX here has no {backend} backend (backend = {backend!r})")
+    os.environ.update(backend_environment(rank, hostfile, backend))
     result: list = []
 
     def connect():
         try:
-            result.append(mx.distributed.init(strict=True, backend="ring"))
+            result.append(mx.distributed.init(strict=True, backend=backend))
         except Exception as error:  # noqa: BLE001 - reported below
             result.append(error)
 
@@ -155,9 +245,10 @@ def join(rank: int, hostfile: Path, timeout: float = JOIN_TIMEOUT) -> Group:
         raise GroupError(f"the group did not form within {timeout:.0f} s: {others} did not join")
     if isinstance(result[0], Exception):
         raise GroupError(f"the group could not form: {result[0]}")
-    group = Group(result[0])
+    group = Group(result[0], mode)
     if group.size < 2:
-        raise GroupError(f"the group has {group.size} rank: MLX's ring backend is not available")
+        raise GroupError(f"the group has {group.size} rank: MLX's {backend} backend is not available")
+    group.doorbell = Doorbell.open(group, hostfile, timeout)
     return group
 
 

@@ -112,8 +112,8 @@ def load_model(
     """Load one mlx-lm folder in ``dtype`` ("checkpoint" or "float32"); every failure is a ModelLoadError.
 
     ``row_padding``: run one-row products as two rows (``runner.row_padding``); None = where it applies.
-    ``group``: a ``runner.group.Group``: keep this rank's share of the weights (mlx-lm's ``shard``), before
-    any layer is wrapped."""
+    ``group``: a ``runner.group.Group``: keep this rank's share of the weights (mlx-lm's ``shard``, or its run
+    of layers for a pipeline: ``runner.pipeline``), before any layer is wrapped."""
     from mlx_lm.utils import load as mlx_lm_load
 
     if row_padding is None:
@@ -130,7 +130,12 @@ def load_model(
             dequantize_model(model)
             model.set_dtype(mx.float32)
         mx.eval(model.parameters())
-        if group is not None:
+        if group is not None and group.mode == "pipeline":
+            from .pipeline import pipeline
+
+            pipeline(model, group.group)
+            mx.eval(model.parameters())
+        elif group is not None:
             model.shard(group.group)
             mx.eval(model.parameters())
         mx.clear_cache()

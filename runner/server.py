@@ -285,6 +285,8 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             ranks=engine.group.size if engine.group else 1,
             rank_pids=self.rank_pids,
             rank_memory=engine.rank_memory,
+            parallelism=engine.group.mode if engine.group else "",
+            group_backend=engine.settings.backend if engine.group else "",
             num_draft_tokens=engine.default_num_draft_tokens,
             release_interval=engine.settings.release_interval,
             release_enabled=engine.settings.release_enabled,

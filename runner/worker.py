@@ -46,6 +46,9 @@ log = logging.getLogger("runner")
 # Rounds a request's answer may hold waiting for its client (one to ~17 tokens each, ~1 KB): past it the client
 # reads too slowly, and the request ends rather than hold its row and a growing queue (issue #22's back-pressure).
 MAX_PENDING_ROUNDS = DEFAULT_MAX_PENDING_ROUNDS
+# What rank 0 shares at the top of each turn of a group (runner.group): go on, stop, or nothing to do until
+# the doorbell rings (the other ranks then wait off the collectives, where MLX's ring backend polls a core).
+TURN_RUN, TURN_STOP, TURN_IDLE = 0, 1, 2
 
 
 @dataclass
@@ -194,18 +197,37 @@ class MlxWorker:
         return value if self.group is None else self.group.share(value)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as error:  # noqa: BLE001 - outside a turn: a group's collective (a rank is gone), a control
+            log.error("engine failure: %s: %s", type(error).__name__, error)
+            for job in list(self._active):
+                self._fail(job, error)
+            self._on_fatal(error)
+
+    def _loop(self) -> None:
         while True:
             if not self.follower:  # a follower waits inside the next share, for rank 0's turn
+                with self._lock:
+                    idle = not (self._jobs or self._controls or self._stopping or self._active)
+                if idle and self.group is not None:  # the others wait on the doorbell, not in a collective
+                    self.group.share_int(TURN_IDLE)
                 with self._lock:
                     while not (self._jobs or self._controls or self._stopping or self._active):
                         self.heartbeat = time.monotonic()
                         self._lock.wait(0.5)
                     self.heartbeat = time.monotonic()
                     stop = self._stopping and not (self._jobs or self._controls or self._active)
+                if idle and self.group is not None:
+                    self.group.doorbell.ring()
             else:
                 stop = False
             if self.group is not None:
-                stop = bool(self.group.share_int(stop))
+                turn = self.group.share_int(TURN_STOP if stop else TURN_RUN)
+                if turn == TURN_IDLE:  # a follower: rank 0 has nothing to do until it rings
+                    self.group.doorbell.wait()
+                    continue
+                stop = turn == TURN_STOP
             if stop:
                 return
             self._run_controls()  # before admitting: the jobs queued while a control ran start at this turn too

@@ -1,7 +1,8 @@
 """The supervisor's command line.
 
 python -m supervisor serve [--config FILE] | chat --model NAME | generate --model NAME PROMPT
-                     | models | memory | status | top [--once]
+                     | models | memory | status | top [--once] | estimate
+                     | worker --model NAME [--rank R] | lws-hostfile OUT --port P
 """
 
 from __future__ import annotations
@@ -203,7 +204,26 @@ def main(argv=None) -> int:
         "estimate", help="print the memory a config's models need (for a pod's memory request or MemoryMax)"
     )
     estimate_parser.add_argument("--config", help="TOML file (default: the embedded default pair)")
+    worker_parser = commands.add_parser(
+        "worker", help="run this host's rank of a model's group across hosts (the model's ranks and hostfile)"
+    )
+    worker_parser.add_argument("--config", help="TOML file: the leader's")
+    worker_parser.add_argument("--model", required=True, help="the model whose group this host joins")
+    worker_parser.add_argument("--rank", type=int, default=None, help="this host's rank (default: LWS_WORKER_INDEX)")
+    hostfile_parser = commands.add_parser(
+        "lws-hostfile", help="write a LeaderWorkerSet group's hostfile from the environment the set gives its pods"
+    )
+    hostfile_parser.add_argument("out", help="where to write it (the models' hostfile setting)")
+    hostfile_parser.add_argument("--port", type=int, required=True, help="the port every rank listens on")
     args = parser.parse_args(argv)
+    if args.command == "worker":
+        from .worker import main as worker
+
+        return worker(args)
+    if args.command == "lws-hostfile":
+        from .worker import write_lws_hostfile
+
+        return write_lws_hostfile(args)
     if args.command == "serve":
         return serve(args)
     if args.command == "estimate":

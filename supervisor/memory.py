@@ -161,7 +161,7 @@ class Estimates:
             runtime_overhead=self.runtime_overhead,
             kv_bits=model.runner.kv_bits,
             kv_group_size=model.runner.kv_group_size,
-            ranks=model.runner.ranks,
+            ranks=1 if model.runner.hostfile else model.runner.ranks,  # ranks elsewhere are their hosts'
         )
         return needed, dtype
 

@@ -6,6 +6,7 @@ speaks systemd's notify protocol: READY=1 once its models serve, watchdog pings,
 
 from __future__ import annotations
 
+import json
 import plistlib
 import re
 import shutil
@@ -116,6 +117,53 @@ def test_the_estimate_command_prints_the_memory_request(tmp_path):
         cwd=REPO,
     )
     assert bad.returncode == 2 and bad.stderr.startswith("supervisor: ")
+
+
+def test_the_leaderworkerset_runs_one_group_across_its_pods(tmp_path):
+    """deploy/kubernetes/leaderworkerset: the ConfigMap and Service validate against the schema, and so do the
+    leader's and the worker's pod templates (the LeaderWorkerSet's own fields are its CRD's, which the schema
+    package does not carry: checked here by name). Every pod writes the same hostfile from the set's
+    environment, which the config's model accepts (ranks = the set's size); the leader serves, the worker
+    runs a rank of that model, on the port the hostfile names."""
+    from supervisor.worker import lws_hostfile, worker_rank
+
+    folder = KUBERNETES / "leaderworkerset"
+    docs = {d["kind"]: d for p in sorted(folder.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())}
+    assert set(docs) == {"ConfigMap", "Service", "LeaderWorkerSet", "Kustomization"}
+    assert sorted(docs["Kustomization"]["resources"]) == sorted(
+        p.name for p in folder.glob("*.yaml") if p.stem != "kustomization"
+    )
+    for kind in ("ConfigMap", "Service"):
+        kubernetes_validate.validate(docs[kind], KUBERNETES_VERSION, strict=True)
+    lws = docs["LeaderWorkerSet"]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert set(group) == {"size", "restartPolicy", "leaderTemplate", "workerTemplate"}
+    assert group["restartPolicy"] in ("RecreateGroupOnPodRestart", "None")
+    for role in ("leaderTemplate", "workerTemplate"):
+        template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role}, "template": group[role]}
+        kubernetes_validate.validate(template, KUBERNETES_VERSION, strict=True)
+    (leader,) = group["leaderTemplate"]["spec"]["containers"]
+    (worker,) = group["workerTemplate"]["spec"]["containers"]
+    # The config, with the hostfile the pods write (here from a group of `size` pods' environment).
+    served = docs["ConfigMap"]["data"]["mlxserve.toml"]
+    hostfile_path = tomllib.loads(served)["models"]["default"]["hostfile"]
+    for container in (leader, worker):
+        command = container["args"][0].split()
+        assert command[:5] == ["python", "-m", "supervisor", "lws-hostfile", hostfile_path]
+        port = int(command[command.index("--port") + 1])
+        assert {"name": "ring", "containerPort": port} in container["ports"]
+    env = {"LWS_LEADER_ADDRESS": "mlxserve-group-0.mlxserve-group.default", "LWS_GROUP_SIZE": str(group["size"])}
+    hostfile = tmp_path / "hostfile.json"
+    hostfile.write_text(json.dumps(lws_hostfile(env, port)))
+    config_path = tmp_path / "mlxserve.toml"
+    config_path.write_text(served.replace("/app/", f"{REPO}/").replace(hostfile_path, str(hostfile)))
+    config = load(config_path)
+    assert "exec python -m supervisor serve --config /etc/mlxserve/mlxserve.toml" in leader["args"][0]
+    model = worker["args"][0].split("--model ")[1].split()[0]
+    assert worker_rank(config.models[model], None, {**env, "LWS_WORKER_INDEX": "1"}) == 1
+    assert leader["startupProbe"]["grpc"] == {"port": 50051, "service": ""}
+    assert docs["Service"]["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd is not installed here")

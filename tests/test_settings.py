@@ -1,6 +1,7 @@
 """A runner's settings: one description, read from a config table or a command line, the same either way."""
 
 import dataclasses
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,9 @@ EVERY_SETTING_CHANGED = RunnerSettings(
 
 
 # ranks goes with neither disk nor cold tier: its own case.
-A_GROUP = RunnerSettings(target=DEFAULT_TARGET, ranks=2)
+HOSTFILE = Path(tempfile.mkdtemp()) / "hosts.json"
+HOSTFILE.write_text('[["10.0.0.1:32323"], ["10.0.0.2:32323"]]')
+A_GROUP = RunnerSettings(target=DEFAULT_TARGET, ranks=2, parallelism="tensor", backend="nccl", hostfile=HOSTFILE)
 
 
 def test_every_setting_survives_the_command_line():
