@@ -125,6 +125,7 @@ class Engine:
             budget,
             self._disk_tier(settings),
             cold_after=0.0 if self.kv is not None else settings.prompt_cache_cold_after,
+            measure=self._entry_measure(target, group),
         )
         self.cache_cost = CacheCost.measure(target.model)  # what a request's cache costs, per token and per row
         self.drafters = self._available_drafters()
@@ -150,6 +151,18 @@ class Engine:
         if problem:
             raise ModelLoadError(self.target.path, problem)
         return kv
+
+    @staticmethod
+    def _entry_measure(target, group):
+        """How the prompt cache counts an entry's bytes: as they are, or on a rank of a pipeline, as if it held
+        every layer (``layer_scaled``): ranks with runs of different lengths still keep the same entries."""
+        if group is None or group.mode != "pipeline":
+            return None
+        from common.footprint import text_config
+
+        from .prompt_cache import layer_scaled
+
+        return layer_scaled(int(text_config(target.config)["num_hidden_layers"]))
 
     def _disk_tier(self, settings: RunnerSettings):
         """The prompt cache's disk tier in ``prompt_cache_dir`` (runner.prompt_disk), keyed by both models and the

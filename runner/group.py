@@ -9,17 +9,18 @@ every rank. "auto" takes tensor where the model splits evenly, else pipeline.
 
 How the ranks stay in step. Every rank runs the same engine and the same MLX
 thread loop (``runner.worker``), so every forward pass, and every collective in
-it, happens on every rank in the same order. What only rank 0 knows is shared
-at the point where it is decided, in the order it is decided
-(``Group.share``): the requests admitted at a turn (with their seeds), the ones
-cancelled, whether more are waiting, the ones whose clients read too slowly, the
-control tasks run (a pool release that also empties the prompt cache), the
-prefill chunk sizes and joint prefill groups (sized from measured times), and
-the draft depth of every round (the adaptive controller times rounds). The
-rest is deterministic on every rank: the sharded model's collectives give every
-rank the same logits, so the same seeded sampling gives the same tokens, the
-same drafts, the same rewinds, the same prompt-cache entries and the same
-releases. Rank 0 alone serves the runner's gRPC API. An idle group's other
+it, happens on every rank in the same order. What only rank 0 knows reaches
+the others as one plan at the top of each turn (``runner.worker.TurnPlan``, one
+``Group.share``, one collective while small): go on, stop or idle; the control
+tasks run (a pool release that also empties the prompt cache); the requests
+admitted (with their seeds); the ones cancelled and the ones whose clients read
+too slowly; whether more are waiting. Two decisions come from measured times
+mid-turn and are shared where they are made: the prefill chunk sizes and joint
+prefill groups, and the draft depth of every round. The rest is deterministic
+on every rank: the collectives give every rank the same logits, so the same
+seeded sampling gives the same tokens, the same drafts, the same rewinds, the
+same prompt-cache entries (a pipeline's ranks count them as whole-model bytes,
+``prompt_cache.layer_scaled``) and the same releases. Rank 0 alone serves the runner's gRPC API. An idle group's other
 ranks wait on rank 0's ``Doorbell``, not in a collective (where the ring
 backend polls a core).
 
@@ -56,6 +57,7 @@ import numpy as np
 log = logging.getLogger("runner")
 
 EXIT_GROUP_FAILURE = 71
+INLINE = 504  # bytes of a shared value carried by its first collective (a turn's plan fits)
 JOIN_TIMEOUT = 60.0
 
 
@@ -180,16 +182,26 @@ class Group:
         return [int(v) for v in np.array(out).reshape(-1)]
 
     def share(self, value=None):
-        """Rank 0's ``value`` (any picklable object) on every rank: its size, then its bytes. A falsy value
-        (nothing admitted, nothing cancelled) costs one collective and reaches the others as None."""
+        """Rank 0's ``value`` (any picklable object) on every rank: one collective when it pickles to at most
+        ``INLINE`` bytes (a turn's plan, a depth), else a second one with the rest. A falsy value reaches the
+        others as None."""
         self.shares += 1
         data = pickle.dumps(value) if self.leader and value else b""
-        size = int(self._sum(mx.array([len(data)], dtype=mx.int64)).item())
+        head = np.zeros(8 + INLINE, dtype=np.uint8)
+        if self.leader:
+            head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
+            head[8 : 8 + min(len(data), INLINE)] = np.frombuffer(data[:INLINE], dtype=np.uint8)
+        head = np.array(self._sum(mx.array(head)))
+        size = int.from_bytes(head[:8].tobytes(), "little")
+        if size > INLINE:
+            rest = np.frombuffer(data[INLINE:], dtype=np.uint8) if self.leader else np.zeros(size - INLINE, np.uint8)
+            rest = np.array(self._sum(mx.array(rest)))
+        if self.leader:
+            return value
         if size == 0:
-            return value if self.leader else None
-        buffer = np.frombuffer(data, dtype=np.uint8) if self.leader else np.zeros(size, dtype=np.uint8)
-        out = self._sum(mx.array(buffer))
-        return value if self.leader else pickle.loads(np.array(out).tobytes())
+            return None
+        data = head[8 : 8 + min(size, INLINE)].tobytes() + (rest.tobytes() if size > INLINE else b"")
+        return pickle.loads(data)
 
 
 def choose_parallelism(folder: Path, ranks: int, parallelism: str = "auto", backend: str = "ring") -> str:

@@ -65,6 +65,18 @@ def cache_bytes(caches: list[list]) -> int:
     return sum(c.nbytes for layers in caches if layers for c in layers)
 
 
+def layer_scaled(total_layers: int):
+    """``cache_bytes`` for a rank holding a run of a model's (alike) layers: its target cache's bytes per layer
+    times ``total_layers``, the same number on every rank of a pipeline whatever its run's length."""
+
+    def measure(caches: list[list]) -> int:
+        target, rest = caches[0], caches[1:]
+        per_layer = cache_bytes([target]) // len(target) if target else 0
+        return per_layer * total_layers + cache_bytes(rest)
+
+    return measure
+
+
 def trimmed_copy(layers: list, tokens: int) -> list:
     """A cache holding the first ``tokens`` tokens of ``layers``, sharing no mutable state with it.
 
@@ -149,8 +161,11 @@ class Hit:
 
 
 class PromptCache:
-    def __init__(self, budget: int, disk=None, cold_after: float = 0.0, clock=time.monotonic):
+    def __init__(self, budget: int, disk=None, cold_after: float = 0.0, clock=time.monotonic, measure=None):
         self.budget = budget
+        # An entry's bytes; in a pipelined group, counted as if its target held every layer (``layer_scaled``),
+        # so every rank keeps and evicts the same entries whatever its share of the layers.
+        self.measure = measure or cache_bytes
         self.disk = disk  # a runner.prompt_disk.DiskTier, or None
         self.cold_after = cold_after  # seconds unused before an entry goes cold; 0 = no cold tier
         self.clock = clock
@@ -190,7 +205,7 @@ class PromptCache:
         """Quantize one entry in place (the cold tier); False when it has nothing to quantize."""
         entry = self._entries[key]
         caches = [cooled(layers) if layers else layers for layers in entry.caches]
-        nbytes = cache_bytes(caches)
+        nbytes = self.measure(caches)
         entry.cold = True  # even with nothing to quantize: it is as small as it gets
         if nbytes >= entry.nbytes:
             return False
@@ -264,7 +279,7 @@ class PromptCache:
 
     def _insert(self, tokens: list[int], caches: list[list], evicted_bytes: bool = False) -> int | None:
         """Put an entry in memory; returns the bytes evicted for it (``evicted_bytes``) or its key."""
-        nbytes = cache_bytes(caches)
+        nbytes = self.measure(caches)
         if nbytes > self.budget:
             return 0 if evicted_bytes else None
         # An entry that is a prefix of the new one adds nothing the new one does not hold.

@@ -52,6 +52,20 @@ TURN_RUN, TURN_STOP, TURN_IDLE = 0, 1, 2
 
 
 @dataclass
+class TurnPlan:
+    """What rank 0 decides at the top of a group's turn, reaching the other ranks in one message
+    (``Group.share``; small plans take one collective). Indexes are into the active requests as the turn
+    begins, the same list on every rank."""
+
+    state: int = TURN_RUN
+    mirrors: list = field(default_factory=list)  # controls run on rank 0 that every rank repeats
+    admitted: list = field(default_factory=list)  # (request, seed, cancelled while waiting, shares its prefill)
+    cancelled: list = field(default_factory=list)  # active requests cancelled by their clients
+    slow: list = field(default_factory=list)  # active requests whose clients read too slowly
+    waiting: bool = False  # a waiting request has room to join (the lone request then decodes batched)
+
+
+@dataclass
 class GenerationJob:
     request: PreparedRequest
     rounds: queue.Queue = field(default_factory=queue.Queue)  # Round, an exception, or None at the end
@@ -97,10 +111,12 @@ class MlxWorker:
     ):
         self.engine = engine
         # A runner group (runner.group): every rank runs this loop; what only rank 0 knows (arrivals,
-        # cancellations, slow clients, controls) is shared where it is decided, so every rank takes the same
-        # turns with the same requests. Ranks 1..N-1 serve nobody: their answers are discarded.
+        # cancellations, slow clients, controls) reaches the others in one plan at the top of each turn
+        # (TurnPlan), so every rank takes the same turns with the same requests. Ranks 1..N-1 serve nobody:
+        # their answers are discarded.
         self.group = group
         self.follower = group is not None and not group.leader
+        self._plan = TurnPlan()  # a group's plan of the turn under way (rank 0's, on every rank)
         self.max_queue = max_queue
         self.max_batch = max(1, max_batch)
         self.max_pending_rounds = max_pending_rounds
@@ -207,37 +223,23 @@ class MlxWorker:
 
     def _loop(self) -> None:
         while True:
-            if not self.follower:  # a follower waits inside the next share, for rank 0's turn
-                with self._lock:
-                    idle = not (self._jobs or self._controls or self._stopping or self._active)
-                if idle and self.group is not None:  # the others wait on the doorbell, not in a collective
-                    self.group.share_int(TURN_IDLE)
+            if self.group is not None:
+                admitted = self._group_turn()
+                if admitted is None:
+                    return
+            else:
                 with self._lock:
                     while not (self._jobs or self._controls or self._stopping or self._active):
                         self.heartbeat = time.monotonic()
                         self._lock.wait(0.5)
                     self.heartbeat = time.monotonic()
-                    stop = self._stopping and not (self._jobs or self._controls or self._active)
-                if idle and self.group is not None:
-                    self.group.doorbell.ring()
-            else:
-                stop = False
-            if self.group is not None:
-                turn = self.group.share_int(TURN_STOP if stop else TURN_RUN)
-                if turn == TURN_IDLE:  # a follower: rank 0 has nothing to do until it rings
-                    self.group.doorbell.wait()
-                    continue
-                stop = turn == TURN_STOP
-            if stop:
-                return
-            self._run_controls()  # before admitting: the jobs queued while a control ran start at this turn too
-            admitted = []
-            if not self.follower:
+                    if self._stopping and not (self._jobs or self._controls or self._active):
+                        return
+                self._run_controls()  # before admitting: the jobs queued while a control ran start at this turn too
+                admitted = []
                 with self._lock:
                     while self._room_for_next(admitted):
                         admitted.append(self._jobs.popleft())
-            if self.group is not None:
-                admitted = self._shared_admissions(admitted)
             try:
                 for job in admitted:
                     self._admit(job)
@@ -249,22 +251,60 @@ class MlxWorker:
                 self._on_fatal(error)
                 return
 
-    def _shared_admissions(self, admitted: list[GenerationJob]) -> list[GenerationJob]:
-        """Rank 0's admissions of this turn on every rank: each request with its seed, whether it was
-        cancelled while it waited, and whether it shares its prefill (n > 1); a follower makes its own jobs."""
-        plan = self.group.share(
-            [(j.request.request, j.request.seed, j.cancelled.is_set(), j.on_prefilled is not None) for j in admitted]
+    def _group_turn(self) -> list[GenerationJob] | None:
+        """The top of a group's turn: rank 0 decides (``TurnPlan``) and shares it; every rank applies it.
+        Returns the jobs admitted (a follower makes its own), or None when the group stops."""
+        if self.follower:
+            while True:
+                plan = self.group.share()
+                if plan.state != TURN_IDLE:
+                    break
+                self.group.doorbell.wait()  # rank 0 has nothing to do until it rings (no collective: no CPU)
+            self._plan = plan
+            if plan.state == TURN_STOP:
+                return None
+            self._apply_mirrors(plan.mirrors)
+            jobs = []
+            for request, seed, cancelled, shares in plan.admitted:
+                prepared = dataclasses.replace(self.engine.prepare(request), seed=seed)
+                hook = (lambda job: self.engine.share_prefill(job.session)) if shares else None
+                jobs.append(GenerationJob(prepared, rounds=_Discard(), on_prefilled=hook, cancelled_before=cancelled))
+            return jobs
+        with self._lock:
+            idle = not (self._jobs or self._controls or self._stopping or self._active)
+        if idle:  # the others wait on the doorbell, not in a collective
+            self.group.share(TurnPlan(TURN_IDLE))
+        with self._lock:
+            while not (self._jobs or self._controls or self._stopping or self._active):
+                self.heartbeat = time.monotonic()
+                self._lock.wait(0.5)
+            self.heartbeat = time.monotonic()
+            stop = self._stopping and not (self._jobs or self._controls or self._active)
+        if idle:
+            self.group.doorbell.ring()
+        if stop:
+            self.group.share(TurnPlan(TURN_STOP))
+            return None
+        mirrors = self._run_controls(shared=False)  # they travel in the plan
+        admitted = []
+        with self._lock:
+            while self._room_for_next(admitted):
+                admitted.append(self._jobs.popleft())
+            waiting = self._room_for_next(admitted)
+        cancelled = [i for i, job in enumerate(self._active) if job.cancelled.is_set()]
+        slow = [i for i, job in enumerate(self._active) if i not in cancelled and self._too_slow(job)]
+        self._plan = plan = TurnPlan(
+            TURN_RUN,
+            mirrors,
+            [(j.request.request, j.request.seed, j.cancelled.is_set(), j.on_prefilled is not None) for j in admitted],
+            cancelled,
+            slow,
+            waiting,
         )
-        if not self.follower:
-            for job, (_, _, cancelled, _) in zip(admitted, plan or []):
-                job.cancelled_before = cancelled  # as shared: a cancel since then counts at the next turn
-            return admitted
-        jobs = []
-        for request, seed, cancelled, shares in plan or []:
-            prepared = dataclasses.replace(self.engine.prepare(request), seed=seed)
-            hook = (lambda job: self.engine.share_prefill(job.session)) if shares else None
-            jobs.append(GenerationJob(prepared, rounds=_Discard(), on_prefilled=hook, cancelled_before=cancelled))
-        return jobs
+        self.group.share(plan)
+        for job, (_, _, cancelled_before, _) in zip(admitted, plan.admitted):
+            job.cancelled_before = cancelled_before  # as shared: a cancel since then counts at the next turn
+        return admitted
 
     def _room_for_next(self, admitted: list | None = None) -> bool:
         """Whether the next waiting job may start now: a place in the batch, and room for its cache next to
@@ -274,7 +314,9 @@ class MlxWorker:
         active = self._active + (admitted or [])
         return len(active) < self.max_batch and self.memory.admits([j.request for j in active], self._jobs[0].request)
 
-    def _run_controls(self) -> None:
+    def _run_controls(self, shared: bool = True) -> list:
+        """Run the queued control tasks (rank 0's, in a group); returns the mirrors every rank repeats. In a
+        group, ``shared``: share them now (mid-turn, between prefill chunks); else the caller's plan carries them."""
         mirrors = []
         while not self.follower:
             with self._lock:
@@ -289,11 +331,15 @@ class MlxWorker:
                     future.set_exception(error)
             if mirror is not None:
                 mirrors.append(mirror)
-        if self.group is not None:
-            mirrors = self._shared(mirrors)
+        if self.group is not None and shared:
+            mirrors = self._shared(mirrors) or []
             if self.follower:
-                for name, kwargs in mirrors or []:
-                    getattr(self.engine, name)(**kwargs)
+                self._apply_mirrors(mirrors)
+        return mirrors
+
+    def _apply_mirrors(self, mirrors: list) -> None:
+        for name, kwargs in mirrors:
+            getattr(self.engine, name)(**kwargs)
 
     def _admit(self, job: GenerationJob) -> None:
         if job.cancelled_before if self.group is not None else job.cancelled.is_set():
@@ -312,24 +358,28 @@ class MlxWorker:
     def _turn(self) -> None:
         """One unit of work for every active request: a prefill chunk, or a decode step."""
         cancelled = [j for j in self._active if j.cancelled.is_set()]
-        if self.group is not None:  # rank 0's view, at this point, on every rank
-            shared = self._shared([self._active.index(j) for j in cancelled]) or []
-            cancelled = [self._active[i] for i in shared]
+        slow = []
+        if self.group is not None:  # rank 0's view as the turn began (its plan), on every rank
+            cancelled = [self._active[i] for i in self._plan.cancelled]
             for job in cancelled:
                 job.cancelled.set()
-        for job in cancelled:
+            slow = [self._active[i] for i in self._plan.slow]
+            for job in slow:
+                self._too_slow_error(job)
+        for job in cancelled + slow:
             job.session.cancel()
-        if cancelled:
-            self._end([(job, None) for job in cancelled])
+        if cancelled or slow:
+            self._end([(job, None) for job in cancelled + slow])
         self._prefill([j for j in self._active if not j.session.prefilled])
         decoding = [j for j in self._active if j.session.prefilled and not j.session.done]
         if not decoding:
             return
         # Company is coming when someone is prefilling, or waiting with room to be admitted.
-        with self._lock:
-            waiting = self._room_for_next()
         if self.group is not None:
-            waiting = bool(self.group.share_int(waiting))
+            waiting = self._plan.waiting
+        else:
+            with self._lock:
+                waiting = self._room_for_next()
         waiting = waiting or any(not j.session.prefilled for j in self._active)
         if len(decoding) == 1 and not waiting:
             self._solo(decoding[0])
@@ -404,22 +454,23 @@ class MlxWorker:
         for job, round_ in delivered:
             if not job.session.done:
                 job.rounds.put(round_)
-        slow = [i for i, (job, _) in enumerate(delivered) if not job.session.done and self._too_slow(job)]
-        if self.group is not None:  # rank 0's clients decide, for every rank
-            slow = self._shared(slow) or []
-        for i in slow:
-            job = delivered[i][0]
-            job.session.error = ClientTooSlow(
-                f"the client reads too slowly: {self.max_pending_rounds} rounds were waiting for it, so "
-                f"the generation was stopped after {job.session.stats.generated_tokens} tokens"
-            )
-            job.session.cancel()
-            ended.append((job, None))
+        if self.group is None:  # in a group, rank 0's next plan says (the same on every rank)
+            for job, _ in delivered:
+                if not job.session.done and self._too_slow(job):
+                    self._too_slow_error(job)
+                    job.session.cancel()
+                    ended.append((job, None))
         if ended:
             self._end(ended)
 
     def _too_slow(self, job: GenerationJob) -> bool:
         return job.rounds.qsize() > self.max_pending_rounds
+
+    def _too_slow_error(self, job: GenerationJob) -> None:
+        job.session.error = ClientTooSlow(
+            f"the client reads too slowly: {self.max_pending_rounds} rounds were waiting for it, so "
+            f"the generation was stopped after {job.session.stats.generated_tokens} tokens"
+        )
 
     def _end(self, ended: list[tuple[GenerationJob, Round | None]]) -> None:
         """Finish requests: (job, its last round or None). Those in the batch leave it in one go - one copy of

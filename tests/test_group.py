@@ -43,6 +43,8 @@ def group_supervisor(tmp_path_factory):
     hostfile.write_text(json.dumps([[f"localhost:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     models = model_toml("pair2", ranks=2) + model_toml("pipe2", ranks=2, parallelism="pipeline")
     models += model_toml("hosts2", ranks=2, hostfile=str(hostfile))
+    # 8 layers on 3 ranks (3, 3, 2), and a prompt cache that holds two of the entries below.
+    models += model_toml("pipe3", ranks=3, parallelism="pipeline", prompt_cache="5MiB")
     if SMOLLM2_DIR.is_dir():
         models += model_toml("smol2", target=SMOLLM2_DIR, draft=None, ranks=2)
     sup = SupervisorProcess(folder, models)
@@ -145,6 +147,20 @@ def test_a_pipelined_group_answers_as_one_process_does(group_supervisor, engine)
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda p: served(group_supervisor, p, 24, model="pipe2")[0], prompts))
     assert together == [expected[p] for p in prompts]
+
+
+def test_ranks_with_runs_of_different_lengths_keep_the_same_prompt_cache(group_supervisor, engine):
+    """A prompt cache that evicts: every rank must hit and miss alike (a rank holding 2 layers counts its entries
+    as a whole model's bytes, as do those holding 3), or their forward passes stop matching."""
+    first, second, third, fourth = PROMPTS
+    pid = group_supervisor.client.model("pipe3").pid
+    for prompt in [first, first + " a list", second, third, fourth, fourth + " by", second + " it", first]:
+        assert served(group_supervisor, prompt, 16, model="pipe3")[0] == alone(engine, prompt, 16, cache_prompt=False)
+    with grpc.insecure_channel(f"unix://{group_supervisor.runtime_dir}/pipe3.sock") as channel:
+        stats = runner_pb2_grpc.RunnerStub(channel).Memory(runner_pb2.MemoryRequest(), timeout=5).prompt_cache
+    assert stats.evictions >= 2 and stats.hits >= 1, stats
+    assert group_supervisor.client.model("pipe3").pid == pid  # the group never broke (and was never restarted)
+    assert info(group_supervisor, "pipe3").ranks == 3
 
 
 def test_smollm2_which_tensor_parallelism_cannot_split_is_pipelined(group_supervisor):
