@@ -78,13 +78,12 @@ def free_ports(count: int) -> list[int]:
 
 def shard_problem(folder: Path, ranks: int) -> str:
     """Why the model in ``folder`` cannot be split ``ranks`` ways by tensor parallelism ("" when it can)."""
-    from mlx_lm.utils import _get_classes, load_config
+    from .loading import architecture
 
     try:
-        config = load_config(Path(folder))
-        model_class, _ = _get_classes(config)
-    except Exception as error:  # noqa: BLE001 - the load reports it properly
-        return f"its config cannot be read: {error}"
+        config, model_class = architecture(folder)
+    except ValueError as error:
+        return str(error)
     kind = config.get("model_type", "?")
     if not hasattr(model_class, "shard"):
         return f"mlx-lm cannot split a {kind} model across processes (its model has no shard())"

@@ -33,13 +33,12 @@ WRAPPED_KINDS = frozenset({"llama", "mistral", "qwen3"})
 
 def pipeline_problem(folder: Path, ranks: int, backend: str = "ring") -> str:
     """Why the model in ``folder`` cannot be pipelined across ``ranks`` processes ("" when it can)."""
-    from mlx_lm.utils import _get_classes, load_config
+    from .loading import architecture
 
     try:
-        config = load_config(Path(folder))
-        model_class, _ = _get_classes(config)
-    except Exception as error:  # noqa: BLE001 - the load reports it properly
-        return f"its config cannot be read: {error}"
+        config, model_class = architecture(folder)
+    except ValueError as error:
+        return str(error)
     kind = config.get("model_type", "?")
     if backend == "nccl":
         return "MLX's NCCL backend has no send/recv, which a pipeline needs"
