@@ -306,21 +306,28 @@ def estimate(
     kv_bits: int = 0,
     kv_group_size: int = 64,
     ranks: int = 1,
+    here: int | None = None,
 ) -> Estimate:
     """Peak memory of a runner serving ``footprints`` (target first) at ``dtype`` over ``context`` tokens; with
     ``kv_bits`` the target's KV cache is counted quantized (the draft's stays float). With ``ranks`` > 1 (a
-    runner group, all on this host) the sum over its processes: the target's layers and cache split between
-    them, and per process the target's weights outside its layers (embeddings, head: whole on every rank, in
-    both tensor and pipeline parallelism), a whole draft, its cache, a prefill's transient and the runtime."""
+    runner group) the sum over the ``here`` of its processes on this host (default: all of them): their
+    share of the target's layers and cache (the largest run of layers a rank gets, for each), and per process
+    the target's weights outside its layers (embeddings, head: whole on every rank, in both tensor and
+    pipeline parallelism), a whole draft, its cache, a prefill's transient and the runtime."""
     target, drafts = footprints[0], footprints[1:]
+    here = ranks if here is None else here
     tokens = min(context or target.context_length, target.context_length)
-    unsplit = (ranks - 1) * target.unsplit_bytes(dtype)
-    weights = int((target.weight_bytes(dtype) + unsplit) * (1 + LOAD_SLACK)) + ranks * sum(
-        int(f.weight_bytes(dtype) * (1 + LOAD_SLACK)) for f in drafts
+    share = 1.0
+    if ranks > 1 and target.layers:
+        share = min(1.0, here * -(-target.layers // ranks) / target.layers)
+    layers = target.weight_bytes(dtype) - target.unsplit_bytes(dtype)
+    split = layers * share + here * target.unsplit_bytes(dtype) if ranks > 1 else target.weight_bytes(dtype)
+    weights = int(split * (1 + LOAD_SLACK)) + here * sum(int(f.weight_bytes(dtype) * (1 + LOAD_SLACK)) for f in drafts)
+    kv = int(target.kv_bytes(dtype, tokens, kv_bits, kv_group_size) * share) + here * sum(
+        f.kv_bytes(dtype, tokens) for f in drafts
     )
-    kv = target.kv_bytes(dtype, tokens, kv_bits, kv_group_size) + ranks * sum(f.kv_bytes(dtype, tokens) for f in drafts)
     prefill = 0
     if device == "cpu":
-        prefill = 2 * ranks * prefill_score_bytes(max(f.heads for f in footprints), tokens, score_bytes)
+        prefill = 2 * here * prefill_score_bytes(max(f.heads for f in footprints), tokens, score_bytes)
     runtime = RUNTIME_OVERHEAD if runtime_overhead is None else runtime_overhead
-    return Estimate(weights, kv, prefill, ranks * runtime)
+    return Estimate(weights, kv, prefill, here * runtime)

@@ -14,7 +14,7 @@ the others as one plan at the top of each turn (``runner.worker.TurnPlan``, one
 ``Group.share``, one collective while small): go on, stop or idle; the control
 tasks run (a pool release that also empties the prompt cache); the requests
 admitted (with their seeds); the ones cancelled and the ones whose clients read
-too slowly; whether more are waiting. Two decisions come from measured times
+too slowly. Two decisions come from measured times
 mid-turn and are shared where they are made: the prefill chunk sizes and joint
 prefill groups, and the draft depth of every round. The rest is deterministic
 on every rank: the collectives give every rank the same logits, so the same
@@ -35,7 +35,8 @@ failure); the supervisor restarts the runner as after any crash, failing or
 resuming what was in flight. Ranks that do not all join within
 ``JOIN_TIMEOUT`` fail the start with one line naming the addresses. The
 backend is MLX's ring (TCP) or, on CUDA builds, NCCL (``backend``); the
-variables each reads are set here as ``mlx.launch`` sets them.
+variables each reads are set here as ``mlx.launch`` sets them (NCCL's
+rendezvous address resolved to an IP; each local rank its own GPU).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ import json
 import logging
 import os
 import pickle
+import secrets
+import select
 import socket
 import subprocess
 import sys
@@ -78,7 +81,7 @@ def free_ports(count: int) -> list[int]:
 
 def shard_problem(folder: Path, ranks: int) -> str:
     """Why the model in ``folder`` cannot be split ``ranks`` ways by tensor parallelism ("" when it can)."""
-    from .loading import architecture
+    from .architecture import architecture
 
     try:
         config, model_class = architecture(folder)
@@ -99,6 +102,16 @@ def shard_problem(folder: Path, ranks: int) -> str:
     return ""
 
 
+def _receive_exactly(connection: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = connection.recv(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 class Doorbell:
     """How rank 0 wakes an idle group: one plain TCP connection to each other rank.
 
@@ -113,27 +126,47 @@ class Doorbell:
 
     @classmethod
     def open(cls, group: Group, hostfile: Path, timeout: float = JOIN_TIMEOUT) -> Doorbell:
+        """Connect rank 0 to every other rank: rank 0 listens on an ephemeral port of its hostfile address and
+        shares it with a random token; each rank connects and sends the token and its rank, so a stray
+        connection takes no rank's place. Any failure is a GroupError."""
         host = json.loads(Path(hostfile).read_text())[0][0].rpartition(":")[0]
-        if group.leader:
-            listener = socket.create_server((host, 0))
-            listener.settimeout(timeout)
-            group.share_int(listener.getsockname()[1])
-            try:
-                connections = [listener.accept()[0] for _ in range(group.size - 1)]
-            except TimeoutError:
-                raise GroupError(f"the other ranks did not connect to {host} within {timeout:.0f} s") from None
-            finally:
-                listener.close()
-        else:
-            port = group.share_int(None)
-            connections = [socket.create_connection((host, port), timeout)]
-        for connection in connections:
-            connection.settimeout(None)
-            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
-                if hasattr(socket, option):
-                    connection.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        deadline = time.monotonic() + timeout
+        try:
+            if group.leader:
+                with socket.create_server((host, 0)) as listener:
+                    token = secrets.token_bytes(8)
+                    group.share((listener.getsockname()[1], token))
+                    connections: dict[int, socket.socket] = {}
+                    while len(connections) < group.size - 1:
+                        listener.settimeout(max(0.01, deadline - time.monotonic()))
+                        connection, _ = listener.accept()
+                        connection.settimeout(5.0)
+                        try:
+                            hello = _receive_exactly(connection, 9)
+                        except OSError:  # a stray connection that says nothing
+                            hello = b""
+                        rank = hello[8] if len(hello) == 9 and hello[:8] == token else 0
+                        if not 0 < rank < group.size or rank in connections:
+                            connection.close()
+                            continue
+                        connections[rank] = connection
+                connections = [connections[rank] for rank in sorted(connections)]
+            else:
+                port, token = group.share()
+                connection = socket.create_connection((host, port), max(0.01, deadline - time.monotonic()))
+                connection.sendall(token + bytes([group.rank]))
+                connections = [connection]
+            for connection in connections:
+                connection.settimeout(None)
+                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+                    if hasattr(socket, option):
+                        connection.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        except TimeoutError:
+            raise GroupError(f"the other ranks did not connect to rank 0's doorbell at {host} in time") from None
+        except OSError as error:
+            raise GroupError(f"the group's doorbell at {host} failed: {error}") from None
         return cls(connections)
 
     def ring(self) -> None:
@@ -143,6 +176,14 @@ class Doorbell:
     def wait(self) -> None:
         if not self.connections[0].recv(1):
             raise GroupError("rank 0 closed the group")
+
+    def check(self) -> None:
+        """Rank 0, idle: raise GroupError if another rank's end has closed (it died, or its host did) - its
+        collectives would fail only at the next request."""
+        readable, _, _ = select.select(self.connections, [], [], 0)
+        for connection in readable:
+            if not connection.recv(1, socket.MSG_PEEK):
+                raise GroupError(f"rank {self.connections.index(connection) + 1} left the group")
 
     def close(self) -> None:
         for connection in self.connections:
@@ -225,10 +266,10 @@ def backend_environment(rank: int, hostfile: Path, backend: str) -> dict[str, st
     env = {"MLX_RANK": str(rank)}
     if backend == "ring":
         env["MLX_HOSTFILE"] = str(hostfile)
-    elif backend == "nccl":  # rank 0's first address is the rendezvous
+    elif backend == "nccl":  # rank 0's first address is the rendezvous; NCCL takes an IP address
         hosts = json.loads(Path(hostfile).read_text())
         host, _, port = hosts[0][0].rpartition(":")
-        env.update(MLX_WORLD_SIZE=str(len(hosts)), NCCL_HOST_IP=host, NCCL_PORT=port)
+        env.update(MLX_WORLD_SIZE=str(len(hosts)), NCCL_HOST_IP=socket.gethostbyname(host), NCCL_PORT=port)
     return env
 
 
@@ -263,6 +304,18 @@ def join(
     return group
 
 
+def gpu_environment(env: dict | None, devices: str, rank: int) -> dict | None:
+    """A local rank's environment on a CUDA build: its own GPU (NCCL refuses two ranks on one), the
+    ``rank``-th of ``CUDA_VISIBLE_DEVICES`` where it is set, else GPU ``rank``; rank 0 keeps the first. As
+    ``mlx.launch`` places ranks. On other builds, the environment as it is."""
+    from common.footprint import expected_backend
+
+    if expected_backend() != "cuda":
+        return env
+    visible = [d for d in devices.split(",") if d] or [str(i) for i in range(rank + 1)]
+    return {**(env or os.environ), "CUDA_VISIBLE_DEVICES": visible[rank % len(visible)]}
+
+
 class Followers:
     """Rank 0's children: ranks 1..N-1 of its group, started with its own command line, watched."""
 
@@ -271,10 +324,11 @@ class Followers:
         self.hostfile = folder / f"group-{os.getpid()}.json"
         self.hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(ranks)]))
         self.processes = []
+        devices = (env or os.environ).get("CUDA_VISIBLE_DEVICES", "")
         for rank in range(1, ranks):
             command = [sys.executable, "-m", "runner", *argv, "--group-rank", str(rank)]
             command += ["--group-hostfile", str(self.hostfile), "--parent-pid", str(os.getpid())]
-            self.processes.append(subprocess.Popen(command, env=env))
+            self.processes.append(subprocess.Popen(command, env=gpu_environment(env, devices, rank)))
         self._watching = False
 
     @property

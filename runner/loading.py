@@ -106,18 +106,6 @@ def _dtype_name(model) -> str:
     return str(max(widths, key=widths.get)).removeprefix("mlx.core.")
 
 
-def architecture(folder: str | Path) -> tuple[dict, type]:
-    """A model folder's config and mlx-lm's model class for it, without loading weights; ValueError says why
-    not (for the checks made before a load, such as whether a group can split the model)."""
-    from mlx_lm.utils import _get_classes, load_config
-
-    try:
-        config = load_config(Path(folder))
-        return config, _get_classes(config)[0]
-    except Exception as error:  # noqa: BLE001 - any cause, in one line
-        raise ValueError(f"its config cannot be read: {error}") from None
-
-
 def load_model(
     folder: str | Path, dtype: str, max_context: int | None = None, row_padding: bool | None = None, group=None
 ) -> LoadedModel:

@@ -33,7 +33,7 @@ WRAPPED_KINDS = frozenset({"llama", "mistral", "qwen3"})
 
 def pipeline_problem(folder: Path, ranks: int, backend: str = "ring") -> str:
     """Why the model in ``folder`` cannot be pipelined across ``ranks`` processes ("" when it can)."""
-    from .loading import architecture
+    from .architecture import architecture
 
     try:
         config, model_class = architecture(folder)
@@ -45,6 +45,8 @@ def pipeline_problem(folder: Path, ranks: int, backend: str = "ring") -> str:
     native = has_mixin(model_class)
     if not native and kind not in WRAPPED_KINDS:
         return f"mlx-lm has no pipeline for a {kind} model and its layers are not a plain stack"
+    if native and hasattr(model_class, "make_cache"):  # hybrids (qwen3_next, ...): ranks would differ in kind
+        return "its layers keep caches of different kinds, which a pipeline's ranks would count and trim unalike"
     layer_types = config.get("layer_types") or []
     if not native and any(t != "full_attention" for t in layer_types):
         return "its layers mix sliding-window and full attention (one mask per layer kind)"

@@ -62,7 +62,6 @@ class TurnPlan:
     admitted: list = field(default_factory=list)  # (request, seed, cancelled while waiting, shares its prefill)
     cancelled: list = field(default_factory=list)  # active requests cancelled by their clients
     slow: list = field(default_factory=list)  # active requests whose clients read too slowly
-    waiting: bool = False  # a waiting request has room to join (the lone request then decodes batched)
 
 
 @dataclass
@@ -278,6 +277,7 @@ class MlxWorker:
             while not (self._jobs or self._controls or self._stopping or self._active):
                 self.heartbeat = time.monotonic()
                 self._lock.wait(0.5)
+                self.group.doorbell.check()  # a rank that died while idle ends the group now, not at a request
             self.heartbeat = time.monotonic()
             stop = self._stopping and not (self._jobs or self._controls or self._active)
         if idle:
@@ -290,7 +290,6 @@ class MlxWorker:
         with self._lock:
             while self._room_for_next(admitted):
                 admitted.append(self._jobs.popleft())
-            waiting = self._room_for_next(admitted)
         cancelled = [i for i, job in enumerate(self._active) if job.cancelled.is_set()]
         slow = [i for i, job in enumerate(self._active) if i not in cancelled and self._too_slow(job)]
         self._plan = plan = TurnPlan(
@@ -299,7 +298,6 @@ class MlxWorker:
             [(j.request.request, j.request.seed, j.cancelled.is_set(), j.on_prefilled is not None) for j in admitted],
             cancelled,
             slow,
-            waiting,
         )
         self.group.share(plan)
         for job, (_, _, cancelled_before, _) in zip(admitted, plan.admitted):
@@ -375,9 +373,8 @@ class MlxWorker:
         if not decoding:
             return
         # Company is coming when someone is prefilling, or waiting with room to be admitted.
-        if self.group is not None:
-            waiting = self._plan.waiting
-        else:
+        waiting = False  # in a group, a request that arrives now joins at the next turn's plan
+        if self.group is None:
             with self._lock:
                 waiting = self._room_for_next()
         waiting = waiting or any(not j.session.prefilled for j in self._active)

@@ -161,7 +161,8 @@ class Estimates:
             runtime_overhead=self.runtime_overhead,
             kv_bits=model.runner.kv_bits,
             kv_group_size=model.runner.kv_group_size,
-            ranks=1 if model.runner.hostfile else model.runner.ranks,  # ranks elsewhere are their hosts'
+            ranks=model.runner.ranks,
+            here=1 if model.runner.hostfile else None,  # across hosts, rank 0's share; the others are theirs
         )
         return needed, dtype
 

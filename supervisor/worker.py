@@ -79,6 +79,7 @@ class RankKeeper:
         self.process: subprocess.Popen | None = None
         self.starts = 0
         self._stopping = threading.Event()
+        self._starting = threading.Lock()
 
     def command(self) -> list[str]:
         settings = self.model.runner
@@ -101,11 +102,14 @@ class RankKeeper:
         ]
 
     def run(self) -> None:
-        while not self._stopping.is_set():
-            self.starts += 1
-            self.process = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, env=runner_environment(self.config)
-            )
+        while True:
+            with self._starting:  # stop() either sees this process or ends the loop before it starts
+                if self._stopping.is_set():
+                    break
+                self.starts += 1
+                self.process = subprocess.Popen(
+                    self.command(), stdin=subprocess.DEVNULL, env=runner_environment(self.config)
+                )
             log.info("%s: rank %d started (pid %d), joining the group", self.model.name, self.rank, self.process.pid)
             code = self.process.wait()
             if self._stopping.is_set():
@@ -120,8 +124,9 @@ class RankKeeper:
             self._stopping.wait(RESTART_PAUSE)
 
     def stop(self) -> None:
-        self._stopping.set()
-        process = self.process
+        with self._starting:
+            self._stopping.set()
+            process = self.process
         if process is not None and process.poll() is None:
             process.kill()  # a rank ignores SIGTERM (rank 0 decides when a group stops); it holds no state of its own
             process.wait()

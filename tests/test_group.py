@@ -205,6 +205,12 @@ def test_a_group_across_hosts_answers_and_outlives_a_killed_worker_rank(group_su
     assert psutil.Process(sup.worker.pid).children()[0].pid != rank.pid
     assert len(served(sup, PROMPTS[2], 32, model="hosts2")[0]) == 32
     assert "ended with -9; starting it again" in sup.worker_stderr.read_text()
+    # Idle, rank 0 watches the other ranks' doorbell connections: a rank killed now restarts the group at once,
+    # not when the next request finds it gone.
+    leader = sup.client.model("hosts2").pid
+    psutil.Process(sup.worker.pid).children()[0].send_signal(signal.SIGKILL)
+    assert wait_until(lambda: sup.client.model("hosts2").pid not in (0, leader), 20)
+    assert len(served(sup, PROMPTS[0], 8, model="hosts2")[0]) == 8
 
 
 def test_sixteen_concurrent_clients_get_what_they_get_alone(group_supervisor):
@@ -342,5 +348,9 @@ def test_the_estimate_counts_every_rank():
     extra = int(draft.weight_bytes("float32") * (1 + LOAD_SLACK)) + target.unsplit_float32_bytes * (1 + LOAD_SLACK)
     assert abs(two.weights - one.weights - extra) <= 2
     assert 0 < target.unsplit_float32_bytes < target.float32_bytes / 2
+    # Across hosts, this host holds rank 0's share: about half the layers and cache, the embeddings, a draft.
+    mine = estimate([target, draft], "float32", "cpu", ranks=2, here=1)
+    assert one.weights * 0.5 < mine.weights < one.weights * 0.7 and mine.kv_cache < 0.6 * one.kv_cache
+    assert mine.runtime == one.runtime
     assert two.kv_cache - one.kv_cache == draft.kv_bytes("float32", target.context_length)
     assert two.runtime == 2 * one.runtime and two.prefill == 2 * one.prefill
