@@ -197,6 +197,9 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
     table = dict(table)
     if "target" not in table:
         raise ConfigError(f"{p}target", "is required")
+    if isinstance(table.get("hostfile"), str):  # relative to the config's folder, like the model paths
+        hostfile = Path(table["hostfile"]).expanduser()
+        table["hostfile"] = str(hostfile if hostfile.is_absolute() else base / hostfile)
     try:
         settings = RunnerSettings.from_table(table, name=name)  # the grace is the supervisor's at each start
     except SettingsError as error:

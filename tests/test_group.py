@@ -323,8 +323,9 @@ def test_a_worker_takes_its_rank_from_a_leaderworkerset(tmp_path):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps(hosts))
     config = tmp_path / "c.toml"
-    config.write_text(model_toml("big", ranks=3, hostfile=str(hostfile)).replace("'", '"') + model_toml("one"))
+    config.write_text(model_toml("big", ranks=3, hostfile="hosts.json").replace("'", '"') + model_toml("one"))
     model = load(config).models["big"]
+    assert model.runner.hostfile == hostfile  # relative to the config's folder
     assert worker_rank(model, None, env) == 2
     assert worker_rank(model, 1, {}) == 1
     with pytest.raises(WorkerError, match="rank 0 is the leader's"):
