@@ -185,10 +185,6 @@ class Doorbell:
             if not connection.recv(1, socket.MSG_PEEK):
                 raise GroupError(f"rank {self.connections.index(connection) + 1} left the group")
 
-    def close(self) -> None:
-        for connection in self.connections:
-            connection.close()
-
 
 class Group:
     """This process's place in a runner group, and the one way rank 0's decisions reach the others."""
