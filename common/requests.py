@@ -90,6 +90,8 @@ def check_fields(
     resume_text: int = 0,
     n: int = 0,
     prompt_logprobs: bool = False,
+    context_ids=(),
+    return_prompt_ids: bool = False,
 ) -> None:
     """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs, or
     (role, content, name, tool_call_id, tool_calls) tuples (``common.tool_calls.check_history``);
@@ -101,8 +103,9 @@ def check_fields(
     if prompt and len(prompt_ids):
         raise InvalidRequest("prompt", "set prompt or prompt_ids, not both")
     _text("prompt", prompt)
-    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in prompt_ids):
-        raise InvalidRequest("prompt_ids", f"token ids must lie in [0, {INT32_MAX}]")
+    for name, ids in (("prompt_ids", prompt_ids), ("context_ids", context_ids)):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32_MAX for t in ids):
+            raise InvalidRequest(name, f"token ids must lie in [0, {INT32_MAX}]")
     for index, (role, content, *_) in enumerate(messages):
         if role not in ROLES:
             raise InvalidRequest("messages", f"message {index}: role {role!r} is not one of {', '.join(ROLES)}")
@@ -123,6 +126,8 @@ def check_fields(
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings")
     for text in stop:
+        if not text:  # it would end every answer before its first token: refused, not ignored
+            raise InvalidRequest("stop", "a stop string must not be empty")
         _text("stop", text)
         if len(text) > MAX_STOP_LENGTH:
             raise InvalidRequest("stop", f"each stop string is at most {MAX_STOP_LENGTH} characters")
@@ -233,4 +238,6 @@ def fields_of(message) -> dict:
         resume_text=message.resume_text,
         n=message.n,
         prompt_logprobs=message.prompt_logprobs,
+        context_ids=tuple(message.context_ids),
+        return_prompt_ids=message.return_prompt_ids,
     )

@@ -215,6 +215,12 @@ class RunnerSettings:
         'fits), "checkpoint" (as stored) or "float32"',
     )
     max_context: int = setting(0, "int", "lower the model's context length to this (0 = the model's own)")
+    max_output_tokens: int = setting(
+        0,
+        "int",
+        "end every answer after at most this many tokens, whatever max_tokens a request asks (0 = no cap); "
+        "told to clients in /v1/models",
+    )
     prompt_cache: int | None = setting(
         None,
         "size",
@@ -359,6 +365,8 @@ class RunnerSettings:
             raise SettingsError("dtype", f"{self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.max_context < 0 or self.max_context == 1:
             raise SettingsError("max_context", "must be at least 2 (0 = the model's own)")
+        if self.max_output_tokens < 0:
+            raise SettingsError("max_output_tokens", "must be >= 0 (0 = no cap)")
         if self.batch_memory is not None and self.batch_memory <= 0:
             raise SettingsError("batch_memory", "must be positive")
         if self.max_queue < 0:

@@ -15,7 +15,16 @@ import logging
 import grpc
 import grpc.aio
 
-from .errors import ClientTooSlow, EngineError, InvalidRequest, ModelLoadError, NotReady, QueueFull, WorkerStopped
+from .errors import (
+    ClientTooSlow,
+    ContextExceeded,
+    EngineError,
+    InvalidRequest,
+    ModelLoadError,
+    NotReady,
+    QueueFull,
+    WorkerStopped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +34,24 @@ Code = grpc.StatusCode
 class ServiceError(Exception):
     """An error with the status the client gets; ``param`` names the request field, when one is at fault."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None):
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None, exceeded=None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
+        self.exceeded: ContextExceeded | None = exceeded  # a prompt past the context, which each API words its way
+
+    @classmethod
+    def from_details(cls, code: grpc.StatusCode, details: str) -> ServiceError:
+        """A runner's status about the request, passed on: the field an INVALID_ARGUMENT names ("field: why", when
+        it is a field of the request) and whether it is a prompt past the context."""
+        if code != Code.INVALID_ARGUMENT:
+            return cls(code, details)
+        from .protocol import runner_pb2
+
+        field = details.split(":", 1)[0]
+        named = field if field in runner_pb2.GenerateRequest.DESCRIPTOR.fields_by_name else None
+        return cls(code, details, named, ContextExceeded.parse(details))
 
 
 def status_of(error: BaseException) -> ServiceError:
@@ -37,7 +59,8 @@ def status_of(error: BaseException) -> ServiceError:
     if isinstance(error, ServiceError):
         return error
     if isinstance(error, InvalidRequest):
-        return ServiceError(Code.INVALID_ARGUMENT, str(error), error.field)
+        exceeded = error if isinstance(error, ContextExceeded) else None
+        return ServiceError(Code.INVALID_ARGUMENT, str(error), error.field, exceeded)
     if isinstance(error, (QueueFull, ClientTooSlow)):
         return ServiceError(Code.RESOURCE_EXHAUSTED, str(error))
     if isinstance(error, (WorkerStopped, NotReady)):
@@ -118,38 +141,50 @@ class AsyncStatusInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
+        method = details.method
         if handler.unary_unary and inspect.iscoroutinefunction(handler.unary_unary):
             return grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+                self._unary(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer
             )
         if handler.unary_stream and inspect.isasyncgenfunction(handler.unary_stream):
             return grpc.unary_stream_rpc_method_handler(
-                self._stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+                self._stream(handler.unary_stream, method), handler.request_deserializer, handler.response_serializer
             )
         return handler
 
     @staticmethod
-    async def _abort(context, error: BaseException):
+    async def _abort(context, error: BaseException, method: str, request):
         if isinstance(error, grpc.aio.AbortError):  # an abort under way goes on as it is
             raise error
         status = logged_status(error)
+        if status.code not in (Code.INTERNAL, Code.CANCELLED):  # a refusal: one line saying who and why
+            model = getattr(request, "model", "") or getattr(request, "name", "")
+            request_id = getattr(request, "request_id", "") or "-"
+            log.info(
+                "refused gRPC %s (model %r, request %s): %s %s",
+                method,
+                model,
+                request_id,
+                status.code.name,
+                status.message,
+            )
         await context.abort(status.code, status.message)
 
-    def _unary(self, behavior):
+    def _unary(self, behavior, method: str):
         async def wrapped(request, context):
             try:
                 return await behavior(request, context)
             except Exception as error:  # noqa: BLE001 - every error gets a status
-                await self._abort(context, error)
+                await self._abort(context, error, method, request)
 
         return wrapped
 
-    def _stream(self, behavior):
+    def _stream(self, behavior, method: str):
         async def wrapped(request, context):
             try:
                 async for response in behavior(request, context):
                     yield response
             except Exception as error:  # noqa: BLE001 - every error gets a status
-                await self._abort(context, error)
+                await self._abort(context, error, method, request)
 
         return wrapped

@@ -267,22 +267,26 @@ def _function(tool, where: str) -> dict:
 
 def check_history(messages) -> None:
     """The tool parts of a conversation: (role, content, name, tool_call_id, tool_calls) tuples, tool_calls
-    as (id, name, arguments) triples; raises InvalidRequest naming the message."""
+    as (id, name, arguments) triples; raises InvalidRequest naming the message. A call's arguments may be any
+    text: a call cut short by max_tokens (as this server, and OpenAI's, send it) comes back in the history with
+    half its arguments, and is laid out as it was written (``arguments_of``)."""
     for index, message in enumerate(messages):
         role, calls = message[0], message[4] if len(message) > 4 else ()
         if calls and role != "assistant":
             raise InvalidRequest("messages", f"message {index}: only an assistant's message has tool_calls")
-        for call_id, name, arguments in calls:
+        for _call_id, name, _arguments in calls:
             if not name:
                 raise InvalidRequest("messages", f"message {index}: a tool call needs a function name")
-            try:
-                value = json.loads(arguments) if arguments else {}
-            except (ValueError, RecursionError):
-                value = None
-            if not isinstance(value, dict):
-                raise InvalidRequest(
-                    "messages", f"message {index}: the arguments of call {call_id or name!r} are not a JSON object"
-                )
+
+
+def arguments_of(text: str):
+    """An earlier call's arguments as a chat template takes them: the object, or where they are not a JSON
+    object (a call cut short), the text as it was written."""
+    try:
+        value = json.loads(text) if text else {}
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
 
 
 # -- the conversation, laid out for a family --------------------------------------------------------------
@@ -318,7 +322,7 @@ def conversation(messages, tools: Tools, family: str) -> list[dict]:
             entry: dict = {"role": role, "content": content}
             if calls:
                 entry["tool_calls"] = [
-                    {"id": i, "type": "function", "function": {"name": n, "arguments": json.loads(a or "{}")}}
+                    {"id": i, "type": "function", "function": {"name": n, "arguments": arguments_of(a)}}
                     for i, n, a in calls
                 ]
             if role == "tool":
@@ -327,7 +331,7 @@ def conversation(messages, tools: Tools, family: str) -> list[dict]:
                     entry["name"] = name
             out.append(entry)
         elif calls:
-            written = [{"name": n, "arguments": json.loads(a or "{}")} for _, n, a in calls]
+            written = [{"name": n, "arguments": arguments_of(a)} for _, n, a in calls]
             if tools.calls:  # as the model writes a call
                 text = json.dumps({"tool_calls": written}, ensure_ascii=False)
             else:
@@ -466,11 +470,9 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[Delta]]:
         """The answer is over: whatever was held back."""
         if self.family == "generic":
-            content, deltas = self._generic()
-            if self._state == "start":  # never became a call or a response (no grammar held it)
-                content += self._text[self._sent :]
-                self._sent = len(self._text)
-            return content, deltas
+            # Cut short before it was a call or a response (max_tokens of 1: '{"'), what came is only the
+            # layout's JSON, never the answer's text: nothing to send.
+            return self._generic()
         return self._native(final=True)
 
     # -- generic ------------------------------------------------------------------------------------------

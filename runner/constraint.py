@@ -26,7 +26,11 @@ JSON is compiled without flexible whitespace (``{"a":1}``, separators fixed):
 a model cannot run away emitting whitespace (Ollama's #18567), and fixed
 separators are forced tokens. For the same reason an integer without bounds is
 bounded to +-(2**53 - 1), JSON's interoperable range (SmolLM2 at temperature 1 wrote an unbounded integer's digits
-until max_tokens): a JSON consumer could not hold more anyway.
+until max_tokens): a JSON consumer could not hold more anyway. A number's
+digits are bounded the same way (``NumberBound``): at most 17 significant
+digits (what a float64 holds), 24 digits before the exponent and 3 in it;
+past them the mask leaves only what ends the number (SmolLM2 at temperature 1
+otherwise wrote ``2.46288874348788888888...`` until max_tokens).
 """
 
 from __future__ import annotations
@@ -103,6 +107,101 @@ def grammar_text(spec: str) -> str:
         raise InvalidRequest("grammar", str(error)) from None
 
 
+SIGNIFICANT_DIGITS = 17  # a float64 round-trips through 17 significant digits
+MANTISSA_DIGITS = 24  # digits before the exponent, leading zeros of a fraction included
+EXPONENT_DIGITS = 3  # a float64's exponent is at most 308
+
+
+class DigitTables:
+    """Per token of a vocabulary: how many digits its text begins with, and whether it begins with a '.'
+    (what could continue a JSON number), as packed bitmasks of the tokens to forbid when only ``r`` more digits
+    may come (``forbidden``)."""
+
+    def __init__(self, index, vocab_size: int):
+        lead = np.zeros(vocab_size, dtype=np.int16)
+        dot = np.zeros(vocab_size, dtype=bool)
+        for token in range(min(vocab_size, index.vocab_size)):
+            text = index.decode_bytes([token])
+            count = len(text) - len(text.lstrip(b"0123456789"))
+            lead[token] = count
+            dot[token] = text[:1] == b"."
+        self.lead, self.dot = lead, dot
+        self.longest = int(lead.max()) if vocab_size else 0  # no token holds more digits: nothing to forbid below
+        self._packed: dict[tuple[int, bool], np.ndarray] = {}
+
+    def forbidden(self, remaining: int, no_fraction: bool) -> np.ndarray:
+        """The packed bitmask of tokens that would pass ``remaining`` more digits (and, with ``no_fraction``, that
+        would open a fraction, which needs a digit)."""
+        key = (max(remaining, 0), no_fraction)
+        packed = self._packed.get(key)
+        if packed is None:
+            tokens = self.lead > key[0]
+            if no_fraction:
+                tokens = tokens | self.dot
+            packed = self._packed[key] = np.packbits(tokens, bitorder="little")
+        return packed
+
+
+class NumberBound:
+    """Where a JSON answer is inside a number, and how many digits it has there: a small lexer over the bytes of
+    the tokens a request consumed (strings skipped, escapes followed), with its state saved per token so a
+    rollback takes it back. ``limit`` gives how many more digits may come, or None outside a number."""
+
+    def __init__(self, index):
+        self._index = index
+        # (in a string, escaped, number phase or None, significant digits, mantissa digits, exponent digits)
+        self._state = (False, False, None, 0, 0, 0)
+        self._history: list[tuple] = []
+
+    def consume(self, token: int) -> None:
+        self._history.append(self._state)
+        in_string, escaped, phase, significant, mantissa, exponent = self._state
+        for byte in self._index.decode_bytes([token]):
+            char = chr(byte)
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif char == "\\":
+                    escaped = True
+                elif char == '"':
+                    in_string = False
+            elif char == '"':
+                in_string, phase = True, None
+            elif "0" <= char <= "9":
+                if phase is None:
+                    phase, significant, mantissa, exponent = "integer", 0, 0, 0
+                if phase in ("integer", "fraction"):
+                    mantissa += 1
+                    significant += 1 if significant or char != "0" else 0
+                else:
+                    phase, exponent = "exponent", exponent + 1
+            elif char == "-" and phase is None:
+                phase, significant, mantissa, exponent = "integer", 0, 0, 0
+            elif char == "." and phase == "integer":
+                phase = "fraction"
+            elif char in "eE" and phase in ("integer", "fraction"):
+                phase = "sign"
+            elif char in "+-" and phase == "sign":
+                pass
+            else:
+                phase = None
+        self._state = (in_string, escaped, phase, significant, mantissa, exponent)
+
+    def rollback(self, count: int) -> None:
+        for _ in range(min(count, len(self._history))):
+            self._state = self._history.pop()
+
+    def limit(self) -> tuple[int, bool] | None:
+        """(digits that may still come, whether a fraction may no longer open), or None where any may."""
+        _, _, phase, significant, mantissa, exponent = self._state
+        if phase in ("integer", "fraction"):
+            remaining = min(SIGNIFICANT_DIGITS - significant, MANTISSA_DIGITS - mantissa)
+            return remaining, phase == "integer" and remaining <= 0
+        if phase in ("sign", "exponent"):
+            return EXPONENT_DIGITS - exponent, False
+        return None
+
+
 class Grammars:
     """The tokenizer index and the compiled grammars of one engine."""
 
@@ -114,6 +213,7 @@ class Grammars:
         self._end_ids = sorted(end_ids)
         self._index = None
         self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._digits: DigitTables | None = None
         self._lock = threading.Lock()  # requests are prepared on gRPC threads
         self.forcing = True  # feed forced tokens as certain drafts (bench/structured.py turns it off to compare)
 
@@ -143,14 +243,31 @@ class Grammars:
         matcher = llguidance.LLMatcher(index, grammar, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
         if matcher.is_error():
             raise InvalidRequest("grammar", _first_line(matcher.get_error()))
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():  # a schema that refers to itself with no way to end: it admits no answer at all
+            raise InvalidRequest("grammar", "admits no answer (nothing can be written that it accepts)")
         with self._lock:
             self._compiled[spec] = matcher
             while len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         return matcher.deep_copy()
 
-    def constraint(self, spec: str) -> Constraint:
-        return Constraint(self.compile(spec), self.vocab_size, self.forcing)
+    def digits(self) -> DigitTables:
+        if self._digits is None:
+            tables = DigitTables(self.index(), self.vocab_size)
+            with self._lock:
+                self._digits = self._digits or tables
+        return self._digits
+
+    def constraint(self, spec: str, json_output: bool | None = None) -> Constraint:
+        """A request's constraint for ``spec``; ``json_output``: the whole answer is JSON, so its numbers'
+        digits are bounded (``NumberBound``); by default, for JSON schemas and objects."""
+        matcher = self.compile(spec)
+        if json_output is None:
+            json_output = spec.lstrip().startswith(('{"json_schema"', '{"json_object"'))
+        numbers = NumberBound(self.index()) if json_output else None
+        return Constraint(matcher, self.vocab_size, self.forcing, numbers, self.digits() if json_output else None)
 
 
 def _first_line(message: str) -> str:
@@ -168,14 +285,26 @@ class ConstraintBroken(InvalidRequest):
 class Constraint:
     """One request's grammar state."""
 
-    def __init__(self, matcher, vocab_size: int, forcing: bool = True):
+    def __init__(self, matcher, vocab_size: int, forcing: bool = True, numbers=None, digits=None):
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.forcing = forcing
+        self.numbers: NumberBound | None = numbers  # JSON answers: where a number's digits are
+        self.digits: DigitTables | None = digits
 
     def mask(self) -> np.ndarray:
-        """The allowed tokens at the current position: a bitmask, one bit per token (uint8, little-endian)."""
-        return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        """The allowed tokens at the current position: a bitmask, one bit per token (uint8, little-endian). Inside
+        a JSON number that has all the digits it may have, the tokens that would add more are left out (unless
+        nothing else is allowed)."""
+        mask = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        limit = self.numbers.limit() if self.numbers is not None else None
+        if limit is None:
+            return mask
+        remaining, no_fraction = limit
+        if remaining >= self.digits.longest and not no_fraction:
+            return mask
+        bounded = mask & ~_fit(self.digits.forbidden(remaining, no_fraction), mask.size)
+        return bounded if bounded.any() else mask
 
     @staticmethod
     def allows(mask: np.ndarray, token: int) -> bool:
@@ -210,10 +339,14 @@ class Constraint:
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token) or self.matcher.is_error():
             raise ConstraintBroken(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        if self.numbers is not None:
+            self.numbers.consume(token)
 
     def rollback(self, count: int) -> None:
         if count and not self.matcher.rollback(count):
             raise ConstraintBroken(f"the grammar could not take back {count} tokens: {self.matcher.get_error()}")
+        if count and self.numbers is not None:
+            self.numbers.rollback(count)
 
     @property
     def finished(self) -> bool:

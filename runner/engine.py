@@ -320,8 +320,9 @@ class Engine:
                 list(tokens), [trimmed_copy(layers, len(tokens)) if layers else layers for layers in caches]
             )
 
-    def prepare(self, request: GenerationRequest) -> PreparedRequest:
-        """Validate and tokenize a request once (raises InvalidRequest naming the field)."""
+    def prepare(self, request: GenerationRequest, counting: bool = False) -> PreparedRequest:
+        """Validate and tokenize a request once (raises InvalidRequest naming the field); ``counting``: only to
+        count its prompt (a prompt past the context is counted, not refused)."""
         if self.drafters.get(request.drafter):  # an unknown name is the request check's (prepare)
             raise InvalidRequest("drafter", f"{request.drafter!r} is not available: {self.drafters[request.drafter]}")
         return prepare(
@@ -333,6 +334,8 @@ class Engine:
             can_draft=self.speculative or bool(request.drafter and request.drafter != "none"),
             grammars=self.grammars,
             tool_format=self.tool_format,
+            counting=counting,
+            max_output_tokens=self.settings.max_output_tokens,
         )
 
     def prefill_planner(self) -> PrefillPlanner:

@@ -125,6 +125,11 @@ def load_model(
         raise ModelLoadError(path, "config.json is missing")
     try:
         model, tokenizer, config = mlx_lm_load(str(path), return_config=True)
+        # transformers warns of "indexing errors" when a text tokenizes past model_max_length; the runner checks
+        # each prompt against the context itself (a prompt too long is refused, or only counted), so say nothing.
+        hf_tokenizer = getattr(tokenizer, "_tokenizer", None)
+        if hf_tokenizer is not None and hasattr(hf_tokenizer, "model_max_length"):
+            hf_tokenizer.model_max_length = 2**62
         parameters = get_total_parameters(model)
         if dtype == "float32":
             dequantize_model(model)

@@ -11,7 +11,7 @@ import inspect
 import secrets
 from dataclasses import dataclass, fields
 
-from common.errors import InvalidRequest
+from common.errors import ContextExceeded, InvalidRequest
 from common.requests import check_fields, template_kwargs
 from common.tool_calls import Tools, check_tools, conversation
 from common.tool_calls import grammar as tool_grammar
@@ -34,6 +34,7 @@ END_OF_TURN = (
 CHECKED = tuple(inspect.signature(check_fields).parameters)
 # A text longer than this many characters per token of context cannot fit: refused before tokenizing.
 MAX_CHARS_PER_TOKEN = 32
+COUNTING_CONTEXT = 2**31 - 1  # no context limit when a prompt is only counted
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class GenerationRequest:
     resume_text: int = 0  # and this many characters of its text were sent already
     n: int = 0  # choices (0: 1); runner.server decodes them together, one shared prefill
     prompt_logprobs: bool = False  # score the prompt's tokens (its whole prefill, no prompt-cache reuse)
+    context_ids: tuple[int, ...] = ()  # an earlier exchange's tokens, before the prompt (Ollama's context)
+    return_prompt_ids: bool = False  # the first chunk carries the prompt's token ids
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,8 @@ def chat_ids(
     if not getattr(tokenizer, "has_chat_template", False):
         raise InvalidRequest("messages", "this model has no chat template: send a prompt instead")
     if sum(len(m[1]) for m in request.messages) + len(request.tools) > context_length * MAX_CHARS_PER_TOKEN:
-        raise InvalidRequest("messages", f"cannot fit the context of {context_length} tokens")
+        characters = sum(len(m[1]) for m in request.messages) + len(request.tools)
+        raise ContextExceeded("messages", context_length, characters=characters)
     kwargs = template_kwargs(request.chat_template_kwargs)
     if tools is not None and (tools.functions or any(len(m) > 2 and (m[3] or m[4]) for m in request.messages)):
         messages = conversation(request.messages, tools, tool_format)
@@ -114,8 +118,42 @@ def chat_ids(
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
     except Exception as error:  # noqa: BLE001 - a template raises whatever it likes (jinja2, TypeError, ...)
-        raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
+        folded = fold_system_messages(messages)
+        if folded is None:
+            raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
+        try:  # a template that takes a system message only first (Gemma's, Llama 2's): fold the others in
+            ids = tokenizer.apply_chat_template(folded, add_generation_prompt=True, tokenize=True, **kwargs)
+        except Exception:  # noqa: BLE001
+            raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
     return [int(t) for t in ids]
+
+
+def fold_system_messages(messages: list[dict]) -> list[dict] | None:
+    """The conversation with every system message after the first message (Anthropic's mid-conversation system
+    messages, a system message of OpenAI's after the first turn) folded into the nearest user message (the one
+    before it, else the one after), for templates that refuse a system message anywhere but first; None where
+    there is none to fold."""
+    late = [i for i, m in enumerate(messages) if m["role"] == "system" and i > 0]
+    if not late:
+        return None
+    out = [dict(m) for m in messages]
+    for index in late:
+        if all(m is None or m["role"] == "system" for m in out[:index]):  # system messages that open it: one
+            out[0]["content"] = f"{out[0]['content']}\n\n{out[index]['content'] or ''}"
+            out[index] = None
+            continue
+        users = [i for i in range(index - 1, -1, -1) if out[i]["role"] == "user"]
+        users = users or [i for i in range(index + 1, len(out)) if out[i]["role"] == "user"]
+        text = out[index]["content"] or ""
+        if users:
+            user = out[users[0]]
+            before = users[0] < index
+            user["content"] = f"{user['content']}\n\n{text}" if before else f"{text}\n\n{user['content']}"
+        else:  # no user message at all: a user message of its own
+            out[index] = {**out[index], "role": "user"}
+            continue
+        out[index] = None
+    return [m for m in out if m is not None]
 
 
 def end_of_turn_ids(tokenizer) -> frozenset[int]:
@@ -130,6 +168,21 @@ def end_of_turn_ids(tokenizer) -> frozenset[int]:
 def prompt_ids_of(
     request: GenerationRequest, tokenizer, vocab_size: int, context_length: int, tools=None, tool_format: str = ""
 ) -> list[int]:
+    ids = own_prompt_ids(request, tokenizer, vocab_size, context_length, tools, tool_format)
+    if not request.context_ids:
+        return ids
+    context = [int(t) for t in request.context_ids]
+    if any(t >= vocab_size for t in context):
+        raise InvalidRequest("context_ids", f"token ids must lie in [0, {vocab_size})")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if ids and bos is not None and ids[0] == bos:  # the context has its own at its start
+        ids = ids[1:]
+    return context + ids
+
+
+def own_prompt_ids(
+    request: GenerationRequest, tokenizer, vocab_size: int, context_length: int, tools=None, tool_format: str = ""
+) -> list[int]:
     if request.messages:
         return chat_ids(request, tokenizer, context_length, tools, tool_format)
     if request.prompt_ids:
@@ -138,9 +191,7 @@ def prompt_ids_of(
             raise InvalidRequest("prompt_ids", f"token ids must lie in [0, {vocab_size})")
         return ids
     if len(request.prompt) > context_length * MAX_CHARS_PER_TOKEN:
-        raise InvalidRequest(
-            "prompt", f"{len(request.prompt)} characters cannot fit the context of {context_length} tokens"
-        )
+        raise ContextExceeded("prompt", context_length, characters=len(request.prompt))
     return tokenizer.encode(request.prompt)
 
 
@@ -154,12 +205,19 @@ def prepare(
     can_draft: bool,
     grammars=None,
     tool_format: str = "generic",
+    counting: bool = False,
+    max_output_tokens: int = 0,
 ) -> PreparedRequest:
     """Validate (``common.requests.check_fields``: the same judge as the supervisor's) and tokenize ``request``
-    once; raises InvalidRequest naming the field. ``tool_format``: how this model writes tool calls."""
+    once; raises InvalidRequest naming the field. ``tool_format``: how this model writes tool calls.
+    ``counting``: only to count its prompt's tokens (Anthropic's count_tokens), so a prompt longer than the
+    context is counted, not refused (the request's size is bounded by the gRPC message's).
+    ``max_output_tokens``: the model's cap on an answer (its setting; 0 = none)."""
     check_fields(**{f.name: getattr(request, f.name) for f in fields(request) if f.name in CHECKED})
     if request.max_context:
         context_length = min(context_length, request.max_context)
+    if counting:
+        context_length = COUNTING_CONTEXT
     tools = check_tools(request.tools, request.tool_choice, request.tool_name, request.parallel_tool_calls)
     prompt_ids = prompt_ids_of(request, tokenizer, vocab_size, context_length, tools, tool_format)
     if any(t >= vocab_size for t in request.resume_ids):
@@ -168,7 +226,7 @@ def prepare(
     if request.resume_ids and request.max_tokens <= len(request.resume_ids):
         raise InvalidRequest("resume_ids", "the answer has all its max_tokens already")
     if len(prompt_ids) >= context_length:
-        raise InvalidRequest("prompt", f"{len(prompt_ids)} tokens do not fit the context of {context_length}")
+        raise ContextExceeded("messages" if request.messages else "prompt", context_length, tokens=len(prompt_ids))
     if not prompt_ids:
         raise InvalidRequest("prompt", "is empty once tokenized")
     if any(token >= vocab_size for token, _ in request.logit_bias):
@@ -177,6 +235,7 @@ def prepare(
     if tools.calls:
         constraint = tool_constraint(grammars, tools, tool_format)
     k = default_num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
+    asked = min(request.max_tokens, max_output_tokens) if max_output_tokens else request.max_tokens
     eos_ids = frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids)
     if request.messages and not request.ignore_eos:
         eos_ids |= end_of_turn_ids(tokenizer)
@@ -185,7 +244,7 @@ def prepare(
         prompt_ids=prompt_ids,
         params=SamplingParams(request.temperature, request.top_k, request.top_p, request.min_p),
         num_draft_tokens=k if can_draft else 0,
-        max_tokens=min(request.max_tokens - len(request.resume_ids), context_length - len(prompt_ids)),
+        max_tokens=min(asked - len(request.resume_ids), context_length - len(prompt_ids)),
         seed=request.seed if request.seed is not None else secrets.randbits(63),
         eos_ids=eos_ids,
         logprobs=request.logprobs,
@@ -205,6 +264,8 @@ def tool_constraint(grammars, tools: Tools, tool_format: str):
     if not spec:
         return None
     try:
-        return grammars.constraint(spec)
+        # The whole answer is JSON (and a call's markers hold no quote or digit) unless free text may come first.
+        free_text_first = tools.choice == "auto" and tool_format != "generic"
+        return grammars.constraint(spec, json_output=not free_text_first)
     except InvalidRequest as error:
         raise InvalidRequest("tools", f"the functions' parameters cannot be enforced: {error.message}") from None

@@ -203,6 +203,10 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
                 chunk = chunk_to_proto(round_, tools)
                 if first:
                     chunk.prompt_tokens, first = len(prepared.prompt_ids), False
+                    if request.return_prompt_ids:
+                        chunk.prompt_ids.extend(
+                            prepared.prompt_ids[: len(prepared.prompt_ids) - len(request.resume_ids)]
+                        )
                 yield chunk
         finally:
             job.cancel()
@@ -264,7 +268,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
 
     def CountTokens(self, message, context):
         self._ready()
-        prepared = self.engine.prepare(request_from_proto(message))
+        prepared = self.engine.prepare(request_from_proto(message), counting=True)
         return runner_pb2.CountTokensResponse(prompt_tokens=len(prepared.prompt_ids))
 
     def Info(self, message, context):
@@ -304,6 +308,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             drafter=engine.default_drafter,
             adaptive_depth=engine.speculative and engine.settings.num_draft_tokens is None,
             max_draft_tokens=engine.settings.max_draft_tokens,
+            max_output_tokens=engine.settings.max_output_tokens,
         )
         if engine.draft is not None:
             response.draft.CopyFrom(model_info(engine.draft))

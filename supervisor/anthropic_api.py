@@ -41,7 +41,16 @@ from starlette.concurrency import run_in_threadpool
 from common.requests import FinishReason
 from common.status import Code, ServiceError
 
-from .http_common import EventStream, Number, Schema, build_request, refuse_not_honoured, speculation, tool_calls
+from .http_common import (
+    EventStream,
+    Number,
+    Schema,
+    build_request,
+    log_refusal,
+    refuse_not_honoured,
+    speculation,
+    tool_calls,
+)
 from .http_errors import http_status
 from .protocol import supervisor_pb2
 
@@ -58,8 +67,18 @@ ERROR_TYPES = {
     529: "overloaded_error",
 }
 # Fields that ask for what this server does not do: refused, never ignored (a value that asks for nothing passes).
+# "adaptive" thinking lets the model decide, so a model that does not reason serves it without thinking (Claude
+# Code sends it for every model); context_management's clear_thinking edits ask to drop earlier thinking, which
+# is never laid out again here. Other edits (clearing old tool results) would change the prompt: refused.
 NOT_HONOURED = {
-    "thinking": lambda v: isinstance(v, dict) and v.get("type") not in (None, "disabled"),
+    "thinking": lambda v: isinstance(v, dict) and v.get("type") not in (None, "disabled", "adaptive"),
+    "context_management": lambda v: (
+        isinstance(v, dict)
+        and any(
+            not (isinstance(edit, dict) and str(edit.get("type", "")).startswith("clear_thinking"))
+            for edit in v.get("edits") or ()
+        )
+    ),
     "mcp_servers": lambda v: bool(v),
     "container": lambda v: v is not None,
 }
@@ -70,7 +89,11 @@ def anthropic_error(error: ServiceError) -> tuple[int, dict]:
     its clients retry after a while."""
     status = 529 if error.code == Code.RESOURCE_EXHAUSTED else http_status(error.code)
     kind = ERROR_TYPES.get(status, "api_error")
-    return status, {"type": "error", "error": {"type": kind, "message": error.message}}
+    message = error.message
+    if error.exceeded is not None:  # Anthropic's words, which its clients look for before they compact
+        exceeded = error.exceeded
+        message = f"prompt is too long: {exceeded.amount} > {exceeded.context} maximum"
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def bad(message: str, param: str | None = None) -> ServiceError:
@@ -127,8 +150,12 @@ class CountTokensRequest(Schema):
             out.append(("system", system, "", "", ()))
         names: dict[str, str] = {}  # tool_use id -> the tool's name, for the results
         for i, message in enumerate(self.messages):
-            if message.role not in ("user", "assistant"):
-                raise bad(f"messages.{i}.role: must be user or assistant, not {message.role!r}", "messages")
+            if message.role not in ("user", "assistant", "system"):
+                raise bad(f"messages.{i}.role: must be user, assistant or system, not {message.role!r}", "messages")
+            if message.role == "system":  # a mid-conversation system message (Claude Code's), where it stands
+                text = message.content if isinstance(message.content, str) else _texts(message.content, f"messages.{i}")
+                out.append(("system", text, "", "", ()))
+                continue
             if isinstance(message.content, str):
                 out.append((message.role, message.content, "", "", ()))
                 continue
@@ -381,7 +408,9 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                         yield event
                     chunk = await anext(chunks, None)
             except ServiceError as error:
-                yield sse("error", anthropic_error(error)[1])
+                status, shaped = anthropic_error(error)
+                await log_refusal(request, status, f"(in the stream) {error.message}")
+                yield sse("error", shaped)
             finally:
                 if not first_chunk.done():  # the client went away while the prompt prefilled
                     generation.cancel()

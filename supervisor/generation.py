@@ -47,12 +47,6 @@ PASSED_THROUGH = {
 }
 
 
-def field_named(details: str) -> str | None:
-    """The request field a runner's INVALID_ARGUMENT names (``common.errors.InvalidRequest``: "field: why")."""
-    field = details.split(":", 1)[0]
-    return field if field in runner_pb2.GenerateRequest.DESCRIPTOR.fields_by_name else None
-
-
 class RunnerCancelled(grpc.RpcError):
     """A runner call cancelled here (the client went away, or the memory policy restarts the runner), as the
     RpcError it is: grpc.aio raises CancelledError in the task reading a call cancelled locally."""
@@ -242,8 +236,7 @@ class Generation:
                 f"model {self.model}: supervisor shutting down; the generation was cut off after {self.tokens} tokens",
             ), False
         if runner.failure_for(call) is None and code in PASSED_THROUGH:
-            details = error.details() or code.name
-            return ServiceError(code, details, field_named(details) if code == Code.INVALID_ARGUMENT else None), False
+            return ServiceError.from_details(code, error.details() or code.name), False
         if self._cancelled.is_set():
             return ServiceError(Code.CANCELLED, "client went away"), False
         # The runner went away under the request: say which model and why.
@@ -289,7 +282,5 @@ def count_tokens(supervisor, request, timeout: float = 120.0) -> int:
         except grpc.RpcError as error:
             code, details = error.code(), error.details() or error.code().name
             if code in PASSED_THROUGH:
-                raise ServiceError(
-                    code, details, field_named(details) if code == Code.INVALID_ARGUMENT else None
-                ) from None
+                raise ServiceError.from_details(code, details) from None
             raise ServiceError(Code.UNAVAILABLE, f"model {model}: {details}") from None

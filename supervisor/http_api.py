@@ -45,10 +45,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequest
 from common.protocol import runner_pb2
-from common.requests import FinishReason
+from common.requests import MAX_CHOICES, FinishReason
 from common.status import Code, ServiceError, status_of
 
-from .http_common import EventStream, Number, Schema, build_request, refuse_not_honoured, speculation, tool_calls
+from .http_common import (
+    EventStream,
+    Number,
+    RequestIds,
+    Schema,
+    build_request,
+    chat_logprobs,
+    log_refusal,
+    refuse_not_honoured,
+    speculation,
+    tool_calls,
+)
 from .http_errors import openai_error
 from .protocol import supervisor_pb2
 
@@ -256,6 +267,8 @@ class Sampling(Schema):
         """The shared fields as ``common.requests.check_fields`` and the message take them, OpenAI's defaults
         filled in."""
         refuse_not_honoured(self.model_extra, NOT_HONOURED)
+        if self.n < 1:  # the message's 0 means "not set"; a client's 0 asks for no answer, which OpenAI refuses
+            raise ServiceError(Code.INVALID_ARGUMENT, f"n: must lie in [1, {MAX_CHOICES}]", "n")
         return {
             "max_tokens": MAX_TOKENS_UNSET if max_tokens is None else max_tokens,
             "temperature": 1.0 if self.temperature is None else float(self.temperature),  # OpenAI's default
@@ -393,20 +406,6 @@ def usage(stats: runner_pb2.GenerationStats, completion_tokens: int | None = Non
     }
 
 
-def chat_logprobs(entries) -> list[dict]:
-    return [
-        {
-            "token": e.token,
-            "logprob": e.logprob,
-            "bytes": list(e.token.encode("utf-8")),
-            "top_logprobs": [
-                {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))} for t in e.top
-            ],
-        }
-        for e in entries
-    ]
-
-
 def completion_logprobs(entries, offset: int, prompt=()) -> dict:
     """The legacy completions' logprobs; ``prompt``: the prompt's scored tokens first (echo), the first of
     them with no logprob (null), as OpenAI gives it."""
@@ -415,10 +414,24 @@ def completion_logprobs(entries, offset: int, prompt=()) -> dict:
         unscored = index == 0 and bool(prompt)
         tokens.append(e.token)
         token_logprobs.append(None if unscored else e.logprob)
-        top.append(None if unscored else {t.token: t.logprob for t in e.top})
+        # The chosen token among its alternatives, as OpenAI and vLLM give it (logprobs 0: the chosen one alone).
+        top.append(None if unscored else {e.token: e.logprob, **{t.token: t.logprob for t in e.top}})
         offsets.append(offset)
         offset += len(e.token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def tool_call_deltas(deltas) -> list[dict]:
+    """One chunk's call pieces as OpenAI streams them: one entry per call (a call's first piece and the arguments
+    that came with it in one chunk are one entry, as OpenAI never sends two entries of one index in a delta)."""
+    out: list[dict] = []
+    for delta in deltas:
+        piece = tool_call_delta(delta)
+        if out and out[-1]["index"] == delta.index and not delta.id:
+            out[-1]["function"]["arguments"] += delta.arguments
+        else:
+            out.append(piece)
+    return out
 
 
 def tool_call_delta(delta) -> dict:
@@ -506,7 +519,7 @@ class Answer:
         if self.chat:
             delta = {"content": chunk.text} if chunk.text else {}
             if chunk.tool_calls:
-                delta["tool_calls"] = [tool_call_delta(d) for d in chunk.tool_calls]
+                delta["tool_calls"] = tool_call_deltas(chunk.tool_calls)
             choice = {
                 "index": index,
                 "delta": delta,
@@ -552,6 +565,13 @@ def sse(data: dict | str) -> str:
 # -- the app -------------------------------------------------------------------------------------------
 
 
+async def logged_error_response(error: BaseException, request: Request) -> JSONResponse:
+    """``error_response``, and its log line (``log_refusal``)."""
+    response = error_response(error, request)
+    await log_refusal(request, response.status_code, status_of(error).message)
+    return response
+
+
 def error_response(error: BaseException, request: Request | None = None) -> JSONResponse:
     """The error in the shape of the API the request spoke: Anthropic's under /v1/messages, Ollama's under /api/,
     else OpenAI's."""
@@ -564,13 +584,15 @@ def error_response(error: BaseException, request: Request | None = None) -> JSON
 
         status, body = ollama_error(status_of(error))
     else:
-        status, body = openai_error(status_of(error))
+        responses = request is not None and request.url.path.startswith("/v1/responses")
+        status, body = openai_error(status_of(error), "input" if responses else None)
     return JSONResponse(body, status_code=status)
 
 
 def create_app(supervisor) -> FastAPI:
     """The ASGI app over one ``Supervisor`` (anything with ``generate``, ``config`` and ``scheduler``)."""
     app = FastAPI(title="mlxserve", version="1", docs_url=None, redoc_url=None)
+    app.add_middleware(RequestIds)
     token = supervisor.config.auth_token
 
     def authorized(request: Request) -> None:
@@ -586,40 +608,70 @@ def create_app(supervisor) -> FastAPI:
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, error: ServiceError):
-        return error_response(error, request)
+        return await logged_error_response(error, request)
 
     @app.exception_handler(InvalidRequest)
     async def invalid_field(request: Request, error: InvalidRequest):  # common.requests.check_fields
-        return error_response(error, request)
+        return await logged_error_response(error, request)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
         problem = error.errors()[0]
         location = [str(part) for part in problem.get("loc", ()) if part != "body"]
         if problem.get("type") == "json_invalid":
-            return error_response(ServiceError(Code.INVALID_ARGUMENT, "the request body is not valid JSON"), request)
+            refusal = ServiceError(Code.INVALID_ARGUMENT, "the request body is not valid JSON")
+            return await logged_error_response(refusal, request)
         param = location[0] if location else None
         where = ".".join(location) or "body"
-        return error_response(ServiceError(Code.INVALID_ARGUMENT, f"{where}: {problem.get('msg')}", param), request)
+        why = str(problem.get("msg", "")).removeprefix("Value error, ")  # pydantic's prefix for a validator's
+        refusal = ServiceError(Code.INVALID_ARGUMENT, f"{where}: {why}", param)
+        return await logged_error_response(refusal, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
         code = {404: Code.NOT_FOUND, 405: Code.UNIMPLEMENTED}.get(error.status_code, Code.INVALID_ARGUMENT)
-        response = error_response(ServiceError(code, f"{request.method} {request.url.path}: {error.detail}"), request)
+        refusal = ServiceError(code, f"{request.method} {request.url.path}: {error.detail}")
+        response = error_response(refusal, request)
         response.status_code = error.status_code
+        await log_refusal(request, error.status_code, refusal.message)
         return response
 
-    def model_object(name: str) -> dict:
-        return {"id": name, "object": "model", "created": int(supervisor.started_at), "owned_by": "mlxserve"}
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        """Anything else is a bug: still an answer in the API's shape (500), logged with its traceback."""
+        log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return await logged_error_response(error, request)
+
+    def model_object(name: str, anthropic: bool) -> dict:
+        """A model as OpenAI lists it, or Anthropic (its clients send ``anthropic-version``), with the limits a
+        client may plan by once the model has loaded: its context (also as vLLM's ``max_model_len``) and the
+        most tokens an answer may have (``max_output_tokens``, when the model's setting caps it)."""
+        created = int(supervisor.started_at)
+        out: dict = {"id": name, "object": "model", "created": created, "owned_by": "mlxserve"}
+        if anthropic:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+            out = {"type": "model", "id": name, "display_name": name, "created_at": stamp}
+        info = supervisor.scheduler.runner(name).info
+        if info is not None:
+            out["context_length"] = out["max_model_len"] = info.target.context_length
+            if info.max_output_tokens:
+                out["max_output_tokens"] = info.max_output_tokens
+        return out
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def models():
-        return {"object": "list", "data": [model_object(name) for name in supervisor.scheduler.runners]}
+    async def models(request: Request):
+        anthropic = "anthropic-version" in request.headers
+        listed = [model_object(name, anthropic) for name in supervisor.scheduler.runners]
+        if anthropic:
+            ids = [m["id"] for m in listed]
+            first, last = (ids[0], ids[-1]) if ids else (None, None)
+            return {"data": listed, "has_more": False, "first_id": first, "last_id": last}
+        return {"object": "list", "data": listed}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
-    async def model(model_id: str):
+    async def model(model_id: str, request: Request):
         supervisor.scheduler.runner(model_id)  # NOT_FOUND naming the configured models
-        return model_object(model_id)
+        return model_object(model_id, "anthropic-version" in request.headers)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -680,7 +732,9 @@ def create_app(supervisor) -> FastAPI:
                         yield sse(out.usage_event())
                     chunk = await anext(chunks, None)
             except ServiceError as error:
-                yield sse(openai_error(error)[1])
+                status, shaped = openai_error(error)
+                await log_refusal(request, status, f"(in the stream) {error.message}")
+                yield sse(shaped)
             yield sse("[DONE]")
 
         return EventStream(events(), generation, chunks)

@@ -4,10 +4,15 @@ the server-sent event stream that cancels its generation however it ends."""
 
 from __future__ import annotations
 
+import contextvars
+import json
+import logging
+import math
 import secrets
+from typing import Annotated
 
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
 
 from common.protocol import runner_pb2
 from common.requests import NOT_UNICODE, check_fields, is_unicode
@@ -15,25 +20,100 @@ from common.status import Code, ServiceError
 
 from .protocol import supervisor_pb2
 
-Number = StrictInt | StrictFloat
+log = logging.getLogger("supervisor")
+# The HTTP request's id (``RequestIds``): the internal request's request_id, its x-request-id header and its log lines.
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+APIS = (("/v1/messages", "Anthropic"), ("/v1/responses", "OpenAI Responses"), ("/api/", "Ollama"), ("/v1/", "OpenAI"))
 
 
-def lone_surrogate(value, path: str = "") -> str | None:
-    """Where a string of the JSON body holds a lone surrogate (``"\\ud800"``, which JSON allows and UTF-8 cannot
-    carry), or None."""
-    if isinstance(value, str):
-        if not is_unicode(value):
-            return path or "body"
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            found = lone_surrogate(key, path) or lone_surrogate(item, f"{path}.{key}" if path else str(key))
-            if found:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found = lone_surrogate(item, f"{path}.{index}" if path else str(index))
-            if found:
-                return found
+class RequestIds:
+    """ASGI middleware: every HTTP request gets an id (the client's ``x-request-id`` when it sends a short one),
+    which its answer carries as ``x-request-id`` and its generation as its request_id, so a client's failure can
+    be found in the log."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if 0 < len(given) <= 64 and given.isprintable() else f"http-{secrets.token_hex(6)}"
+        token = REQUEST_ID.set(request_id)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(token)
+
+
+async def log_refusal(request, status: int, message: str) -> None:
+    """One log line for a request answered with an error: which API, the model it named (when its body says),
+    its id, the status and why, so an operator sees why a client failed (a 5xx is a warning)."""
+    path = request.url.path
+    api = next((name for prefix, name in APIS if path.startswith(prefix)), "HTTP")
+    model = ""
+    try:
+        body = json.loads(await request.body() or b"{}")
+        if isinstance(body, dict) and isinstance(body.get("model"), str):
+            model = f", model {body['model'][:100]!r}"
+    except (ValueError, RuntimeError, RecursionError):  # not JSON, or the body was streamed away
+        pass
+    level = logging.WARNING if status >= 500 else logging.INFO
+    log.log(
+        level,
+        "%s %s %s (%s API%s, request %s): %d %s",
+        "refused" if status < 500 else "failed",
+        request.method,
+        path,
+        api,
+        model,
+        REQUEST_ID.get() or "-",
+        status,
+        message,
+    )
+
+
+def finite(value):
+    """A number field's value, if a float can hold it: an integer too big for a float (``1e400`` written out) and
+    NaN or infinity are refused (a 400 naming the field), never left to overflow later."""
+    try:
+        as_float = float(value)
+    except OverflowError:
+        raise ValueError("must be a number a float can hold") from None
+    if not math.isfinite(as_float):
+        raise ValueError("must be a finite number")
+    return value
+
+
+Number = Annotated[StrictInt | StrictFloat, AfterValidator(finite)]
+
+
+def unfit(value, path: str = "") -> str | None:
+    """What makes the JSON body unfit to serve, naming where, or None: a string with a lone surrogate
+    (``"\ud800"``, which JSON allows and UTF-8 cannot carry), or NaN or Infinity (which Python's JSON reader takes
+    and no JSON writer may write back). Walked without recursion: a body nested thousands deep is fine."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not is_unicode(item):
+                return f"{where or 'body'}: {NOT_UNICODE}"
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return f"{where or 'body'}: NaN and Infinity are not JSON numbers"
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                if isinstance(key, str) and not is_unicode(key):
+                    return f"{where or 'body'}: {NOT_UNICODE}"
+                stack.append((inner, f"{where}.{key}" if where else str(key)))
+        elif isinstance(item, list):
+            stack.extend((inner, f"{where}.{index}" if where else str(index)) for index, inner in enumerate(item))
     return None
 
 
@@ -42,10 +122,10 @@ class Schema(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def unicode_only(cls, data):
-        where = lone_surrogate(data)
-        if where is not None:
-            raise ValueError(f"{where}: {NOT_UNICODE}")
+    def fit_to_serve(cls, data):
+        problem = unfit(data)
+        if problem is not None:
+            raise ValueError(problem)
         return data
 
 
@@ -69,7 +149,7 @@ def build_request(model: str, fields: dict, messages=(), ignore_eos: bool = Fals
     tool_calls) tuples."""
     check_fields(**fields, messages=messages)
     proto = supervisor_pb2.GenerateRequest(
-        model=model, ignore_eos=ignore_eos, request_id=f"http-{secrets.token_hex(6)}"
+        model=model, ignore_eos=ignore_eos, request_id=REQUEST_ID.get() or f"http-{secrets.token_hex(6)}"
     )
     for key, value in fields.items():
         if value is None:
@@ -98,6 +178,22 @@ def speculation(stats: runner_pb2.GenerationStats) -> dict:
         "drafter": stats.drafter,
         "forced": stats.forced,
     }
+
+
+def chat_logprobs(entries) -> list[dict]:
+    """The runner's logprob entries as OpenAI's chat (and Responses) give them: each token with its bytes and
+    its alternatives."""
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.token.encode("utf-8")),
+            "top_logprobs": [
+                {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode("utf-8"))} for t in e.top
+            ],
+        }
+        for e in entries
+    ]
 
 
 def tool_calls(deltas) -> list[dict]:

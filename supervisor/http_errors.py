@@ -47,14 +47,27 @@ def http_status(code: grpc.StatusCode) -> int:
     return HTTP_STATUS.get(code, 500)
 
 
-def openai_error(error: ServiceError) -> tuple[int, dict]:
-    """HTTP status and body in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+def openai_error(error: ServiceError, prompt_field: str | None = None) -> tuple[int, dict]:
+    """HTTP status and body in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}. A prompt past
+    the context is said as OpenAI says it (``code: "context_length_exceeded"``, "This model's maximum context
+    length is ...", which LiteLLM and the agent frameworks recognise), naming ``prompt_field`` (the field of the
+    request that held the prompt: ``messages``, ``prompt``, ``input``) where given."""
     status = http_status(error.code)
+    message, param, code = error.message, error.param, error.code.name.lower()
+    exceeded = error.exceeded
+    if exceeded is not None:
+        param = prompt_field or exceeded.field
+        words = param if param in ("messages", "input") else "prompt"
+        amount = (
+            f"{exceeded.tokens} tokens"
+            if exceeded.tokens is not None
+            else (f"more than {exceeded.context} tokens ({exceeded.characters} characters)")
+        )
+        message = (
+            f"This model's maximum context length is {exceeded.context} tokens. However, your {words} resulted in "
+            f"{amount}. Please reduce the length of the {words}."
+        )
+        code = "context_length_exceeded"
     return status, {
-        "error": {
-            "message": error.message,
-            "type": OPENAI_TYPES.get(status, "server_error"),
-            "param": error.param,
-            "code": error.code.name.lower(),
-        }
+        "error": {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": param, "code": code}
     }

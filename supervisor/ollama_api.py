@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ConfigDict, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
@@ -44,7 +44,7 @@ from common import __version__
 from common.requests import FinishReason
 from common.status import Code, ServiceError
 
-from .http_common import EventStream, Number, Schema, build_request, tool_calls
+from .http_common import EventStream, Number, Schema, build_request, finite, log_refusal, tool_calls
 from .http_errors import http_status
 
 OLLAMA_VERSION = "0.12.0"  # the API level answered at /api/version (clients check it for features)
@@ -66,6 +66,9 @@ RUNTIME_OPTIONS = {
     "embedding_only",
     "num_thread",
     "num_keep",
+    # mirostat's own settings: meaningless unless mirostat is on, which is refused
+    "mirostat_tau",
+    "mirostat_eta",
 }
 # Sampling options this server does not have: refused unless they ask for nothing.
 NOT_HONOURED = {
@@ -80,6 +83,11 @@ NOT_HERE = ("pull", "push", "create", "copy", "delete", "embed", "embeddings", "
 
 
 def ollama_error(error: ServiceError) -> tuple[int, dict]:
+    if error.exceeded is not None:  # Ollama's words (as it answers with truncate false)
+        exceeded = error.exceeded
+        size = f"the available context size ({exceeded.context} tokens)"
+        message = f"request ({exceeded.amount}) exceeds {size}, try increasing it"
+        return http_status(error.code), {"error": message}
     return http_status(error.code), {"error": error.message}
 
 
@@ -171,6 +179,11 @@ class OllamaRequest(Schema):
         for key in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
             if key in options and (isinstance(options[key], bool) or not isinstance(options[key], number)):
                 raise bad(f"options.{key}: must be a number", "options")
+            if key in options:
+                try:
+                    finite(options[key])
+                except ValueError as error:
+                    raise bad(f"options.{key}: {error}", "options") from None
         for key in ("top_k", "seed", "num_predict", "num_ctx"):
             if key in options and (isinstance(options[key], bool) or not isinstance(options[key], int)):
                 raise bad(f"options.{key}: must be an integer", "options")
@@ -236,10 +249,11 @@ class GenerateRequest(OllamaRequest):
 
     def to_proto(self, chat_template: bool):
         """With the model's chat template (``raw`` off and the model has one): the prompt as the user's turn."""
-        for name in ("suffix", "template", "context", "images"):
+        for name in ("suffix", "template", "images"):
             if getattr(self, name):
                 raise bad(f"{name}: not supported by this server", name)
-        fields = self.fields()
+        # context: an earlier answer's (its prompt's and answer's tokens) goes before this prompt, as Ollama's
+        fields = {**self.fields(), "context_ids": list(self.context or ()), "return_prompt_ids": True}
         if self.raw or not chat_template:
             if self.system:
                 raise bad("system: needs the model's chat template (raw off, a model that has one)", "system")
@@ -405,11 +419,16 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
         )
         async def not_here(request: Request):
             what = request.url.path.split("/")[2]
-            raise ServiceError(
-                Code.UNIMPLEMENTED,
-                f"/api/{what} is not supported here: this server's models are configured in its TOML config "
-                "(docs/configuration.md), not pulled or created",
-            )
+            if what in ("embed", "embeddings"):
+                why = "this server does not serve embedding models yet"
+            else:
+                why = "this server's models are configured in its TOML config (docs/configuration.md), not pulled"
+            raise ServiceError(Code.UNIMPLEMENTED, f"/api/{what} is not supported here: {why}")
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():
+        """What Ollama answers at its root, which its clients and health checks ask (no token needed, as Ollama's)."""
+        return PlainTextResponse("Ollama is running")
 
     async def keep_alive_after(name: str, seconds: float | None) -> None:
         if seconds is None:
@@ -470,14 +489,25 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                 message["tool_calls"] = calls
             return {"model": body.model, "created_at": now(), "message": message, "done": False}
 
+        context: list[int] = []  # /api/generate: the prompt's tokens and the answer's, Ollama's context
+
+        def take(chunk) -> None:
+            if not chat:
+                context.extend(chunk.prompt_ids if not context else ())
+                context.extend(chunk.token_ids)
+
         def final(last, total: float) -> dict:
             out = {**piece(""), "done": True, "done_reason": done_reason(last)}
+            if not chat:
+                out["context"] = context
             out.update(timings(last.stats, total, load))
             return out
 
         if not body.stream:
             chunks = await until_done(request, generation, generation.collect)
             await keep_alive_after(body.model, seconds)
+            for chunk in chunks:
+                take(chunk)
             text = "".join(c.text for c in chunks)
             calls = ollama_calls([d for c in chunks for d in c.tool_calls]) if chat else []
             out = final(chunks[-1], time.perf_counter() - started)
@@ -492,6 +522,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
             try:
                 while chunk is not None:
                     deltas += chunk.tool_calls
+                    take(chunk)
                     if chunk.text:
                         yield json.dumps(piece(chunk.text), ensure_ascii=False) + "\n"
                     if chunk.finish_reason:
@@ -500,7 +531,9 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                         yield json.dumps(final(chunk, time.perf_counter() - started)) + "\n"
                     chunk = await anext(chunks, None)
             except ServiceError as error:
-                yield json.dumps(ollama_error(error)[1]) + "\n"
+                status, shaped = ollama_error(error)
+                await log_refusal(request, status, f"(in the stream) {error.message}")
+                yield json.dumps(shaped) + "\n"
             await keep_alive_after(body.model, seconds)
 
         return EventStream(lines(), generation, chunks, media_type="application/x-ndjson")

@@ -34,7 +34,18 @@ from pydantic import ConfigDict, StrictBool, StrictInt, StrictStr
 from common.requests import FinishReason
 from common.status import Code, ServiceError
 
-from .http_common import EventStream, Number, Schema, build_request, refuse_not_honoured, speculation, tool_calls
+from .http_common import (
+    EventStream,
+    Number,
+    Schema,
+    build_request,
+    chat_logprobs,
+    log_refusal,
+    refuse_not_honoured,
+    speculation,
+    tool_calls,
+)
+from .http_errors import openai_error
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET
 MAX_TOKENS_UNSET = 2**31 - 1
@@ -43,10 +54,14 @@ NOT_HONOURED = {
     "conversation": lambda v: v is not None,
     "prompt": lambda v: v is not None,
     "truncation": lambda v: v not in (None, "disabled"),
-    "reasoning": lambda v: isinstance(v, dict) and any(v.get(k) for k in ("effort", "summary")),
-    "include": lambda v: bool(v),
-    "top_logprobs": lambda v: v not in (None, 0),
+    # No reasoning here (yet): asking for none, or for none of it summarised, asks for nothing.
+    "reasoning": lambda v: (
+        isinstance(v, dict) and (v.get("effort") not in (None, "none") or v.get("summary") not in (None, "none"))
+    ),
 }
+# What ``include`` may ask for: the answer's logprobs (served), and reasoning's encrypted content (there is no
+# reasoning to include). The others are outputs of hosted tools, which are refused.
+INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
 
 
 def bad(message: str, param: str | None = None) -> ServiceError:
@@ -110,8 +125,14 @@ class ResponsesRequest(Schema):
     stream: StrictBool = False
     store: StrictBool = True
     previous_response_id: StrictStr | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, StrictStr] | None = None  # OpenAI's: at most 16 keys, strings as values
     user: StrictStr | None = None
+    include: list[StrictStr] | None = None
+    top_logprobs: StrictInt | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or ())
 
     def conversation(self, earlier: list) -> list[tuple]:
         """The internal conversation: the previous response's, then this input (the instructions apart)."""
@@ -178,6 +199,8 @@ class ResponsesRequest(Schema):
 
     def grammar(self) -> str:
         form = (self.text or {}).get("format")
+        if form is not None and not isinstance(form, dict):
+            raise bad('text.format: must be an object such as {"type": "json_schema", "schema": {...}}', "text")
         if form is None or form.get("type") == "text":
             return ""
         if form.get("type") == "json_object":
@@ -188,6 +211,13 @@ class ResponsesRequest(Schema):
 
     def to_proto(self, earlier: list) -> tuple[Any, list]:
         refuse_not_honoured(self.model_extra, NOT_HONOURED)
+        for index, value in enumerate(self.include or ()):
+            if value not in INCLUDABLE:
+                raise bad(f"include[{index}]: {value!r} is not served here (only {', '.join(INCLUDABLE)})", "include")
+        if len(self.metadata or {}) > 16:
+            raise bad("metadata: at most 16 keys", "metadata")
+        if self.top_logprobs and not self.logprobs:
+            raise bad('top_logprobs: needs include ["message.output_text.logprobs"]', "top_logprobs")
         conversation = self.conversation(earlier)
         messages = ([("system", self.instructions, "", "", ())] if self.instructions else []) + conversation
         fields = {
@@ -195,6 +225,8 @@ class ResponsesRequest(Schema):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "grammar": self.grammar(),
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs or 0,
             **self.tool_fields(),
         }
         return build_request(self.model, fields, messages), conversation
@@ -206,11 +238,14 @@ def _text(content, index: int) -> str:
     if not isinstance(content, list):
         raise bad(f"input[{index}].content: must be text or a list of text parts", "input")
     parts = []
-    for part in content:
+    for number, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise bad(f"input[{index}].content: parts of type {kind!r} are not supported (text only)", "input")
-        parts.append(part.get("text") or "")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad(f"input[{index}].content[{number}].text: must be a string", "input")
+        parts.append(text)
     return "".join(parts)
 
 
@@ -227,18 +262,30 @@ class Answer:
         self.message_id = "msg_" + secrets.token_hex(12)
         self.text = ""
         self.calls: list[dict] = []  # {"id", "call_id", "name", "arguments"}
+        self.logprobs: list[dict] = []  # the text's tokens' logprobs (include message.output_text.logprobs)
         self.sequence = 0
+        self.incomplete = False  # cut by max_output_tokens: the last item is cut too
 
     def message_item(self, status: str) -> dict:
-        part = {"type": "output_text", "text": self.text, "annotations": []}
+        part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": [part]}
 
     def call_item(self, call: dict, status: str) -> dict:
         return {"type": "function_call", "status": status, **call}
 
+    def status_of(self, item_index: int) -> str:
+        """An output item's status once the answer ended: the last one of a response cut short is incomplete (a
+        function call with half its arguments, as OpenAI marks it), the others completed."""
+        last = len(self.calls) if self.text else len(self.calls) - 1
+        return "incomplete" if self.incomplete and item_index == last else "completed"
+
     def output(self) -> list[dict]:
-        items = [self.message_item("completed")] if self.text else []
-        return items + [self.call_item(call, "completed") for call in self.calls]
+        items = [self.message_item(self.status_of(0))] if self.text else []
+        first = len(items)
+        return items + [self.call_item(call, self.status_of(first + i)) for i, call in enumerate(self.calls)]
+
+    def finish(self, last) -> None:
+        self.incomplete = last.finish_reason == FinishReason.LENGTH
 
     def body(self, last=None) -> dict:
         r = self.request
@@ -246,7 +293,8 @@ class Answer:
         incomplete = None
         usage = None
         if last is not None:
-            status = "incomplete" if last.finish_reason == FinishReason.LENGTH else "completed"
+            self.finish(last)
+            status = "incomplete" if self.incomplete else "completed"
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
             s = last.stats
@@ -286,6 +334,8 @@ class Answer:
 
     def take_whole(self, chunks: list) -> None:
         self.text = "".join(c.text for c in chunks)
+        if self.request.logprobs:
+            self.logprobs = chat_logprobs([e for c in chunks for e in c.logprobs])
         for call in tool_calls([d for c in chunks for d in c.tool_calls]):
             self.calls.append(self._call(call["id"], call["function"]["name"], call["function"]["arguments"]))
 
@@ -314,6 +364,11 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
     async def get(response_id: str):
         return store.get(response_id)[0]
 
+    @app.post("/v1/responses/{response_id}/cancel", dependencies=[Depends(authorized)])
+    async def cancel(response_id: str):
+        store.get(response_id)  # 404 for an id it does not hold
+        raise bad("Only responses created with background=true can be cancelled (background mode is not served here)")
+
     @app.delete("/v1/responses/{response_id}", dependencies=[Depends(authorized)])
     async def delete(response_id: str):
         store.delete(response_id)
@@ -341,7 +396,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
             chunk, index, message_open, call = first, 0, False, None
 
             def close_message():
-                item = answer.message_item("completed")
+                item = answer.message_item(answer.status_of(index))
                 part = item["content"][0]
                 return [
                     answer.event(
@@ -350,7 +405,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                         output_index=index,
                         content_index=0,
                         text=answer.text,
-                        logprobs=[],
+                        logprobs=answer.logprobs,
                     ),
                     answer.event(
                         "response.content_part.done",
@@ -371,7 +426,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                         arguments=call["arguments"],
                     ),
                     answer.event(
-                        "response.output_item.done", output_index=at, item=answer.call_item(call, "completed")
+                        "response.output_item.done", output_index=at, item=answer.call_item(call, answer.status_of(at))
                     ),
                 ]
 
@@ -383,7 +438,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                             item = answer.message_item("in_progress")
                             item["content"] = []
                             yield answer.event("response.output_item.added", output_index=index, item=item)
-                            part = {"type": "output_text", "text": "", "annotations": []}
+                            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                             yield answer.event(
                                 "response.content_part.added",
                                 item_id=answer.message_id,
@@ -392,13 +447,15 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                                 part=part,
                             )
                         answer.text += chunk.text
+                        logprobs = chat_logprobs(chunk.logprobs) if body.logprobs else []
+                        answer.logprobs += logprobs
                         yield answer.event(
                             "response.output_text.delta",
                             item_id=answer.message_id,
                             output_index=index,
                             content_index=0,
                             delta=chunk.text,
-                            logprobs=[],
+                            logprobs=logprobs,
                         )
                     for piece in chunk.tool_calls:
                         if piece.id:
@@ -426,6 +483,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                                 delta=piece.arguments,
                             )
                     if chunk.finish_reason:
+                        answer.finish(chunk)
                         for event in close_message() if message_open else close_call(index) if call is not None else []:
                             yield event
                         final = answer.body(chunk)
@@ -435,6 +493,8 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                         yield answer.event(kind, response=final)
                     chunk = await anext(chunks, None)
             except ServiceError as error:
-                yield answer.event("error", code=error.code.name.lower(), message=error.message, param=error.param)
+                status, shaped = openai_error(error, "input")
+                await log_refusal(request, status, f"(in the stream) {error.message}")
+                yield answer.event("error", **shaped["error"])
 
         return EventStream(events(), generation, chunks)

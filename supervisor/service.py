@@ -303,10 +303,12 @@ class Supervisor:
         self.memory.start()
         self.scheduler.start()
         log.info(
-            "supervisor %d listening on %s (OpenAI HTTP API on %s, probes on %s), models: %s",
+            "supervisor %d listening on %s (HTTP APIs: OpenAI's, Anthropic's and Ollama's on %s%s; probes on %s), "
+            "models: %s",
             os.getpid(),
             self.config.listen,
             self.config.http_listen or "off",
+            f", Ollama's clients' address {self.config.ollama_listen}" if self.config.ollama_listen else "",
             self.probes.port if self.probes else "off",
             ", ".join(self.config.models),
         )

@@ -84,7 +84,7 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(sup):
     with pytest.raises(grpc.RpcError) as caught:
         list(sup.client.generate(timeout=60, model="pair", prompt=prompt, max_tokens=4))
     assert (
-        caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot fit the context" in caught.value.details()
+        caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "do not fit the context" in caught.value.details()
     )
     assert time.monotonic() - started < 3.0
 

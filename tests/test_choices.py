@@ -73,7 +73,9 @@ def test_echo_puts_the_prompt_before_the_answer_with_its_tokens_logprobs(chat_cl
     assert "".join(lp.tokens) == scored.text and scored.text.endswith(plain)
     prompt_tokens = len(lp.tokens) - 6
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first token has no context
-    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    # Each position's alternatives hold the chosen token too, as OpenAI's and vLLM's (up to logprobs + 1).
+    assert all(token in top and len(top) in (2, 3) for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     # The answer's own logprobs are those it gets without echo.
     alone = chat_client.completions.create(logprobs=2, **fields).choices[0].logprobs
@@ -87,4 +89,5 @@ def test_echo_puts_the_prompt_before_the_answer_with_its_tokens_logprobs(chat_cl
 def test_logprobs_zero_gives_the_chosen_tokens_logprob_alone(chat_client):
     answer = chat_client.completions.create(model="pair", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
     lp = answer.choices[0].logprobs
-    assert len(lp.tokens) == 4 and all(v <= 0 for v in lp.token_logprobs) and all(t == {} for t in lp.top_logprobs)
+    assert len(lp.tokens) == 4 and all(v <= 0 for v in lp.token_logprobs)
+    assert lp.top_logprobs == [{token: value} for token, value in zip(lp.tokens, lp.token_logprobs)]

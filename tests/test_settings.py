@@ -25,6 +25,7 @@ EVERY_SETTING_CHANGED = RunnerSettings(
     prefill_chunk=512,
     dtype="float32",
     max_context=4096,
+    max_output_tokens=512,
     prompt_cache=2**30,
     prompt_cache_dir=Path("/tmp/prompts"),
     prompt_cache_disk=2**31,
@@ -93,6 +94,7 @@ def test_a_config_table_gives_the_same_settings_and_keeps_other_keys():
         ({"prompt_cache": "lots"}, "prompt_cache", "is not a size"),
         ({"stall_after": "soon"}, "stall_after", "is not a duration"),
         ({"max_context": 1}, "max_context", "at least 2"),
+        ({"max_output_tokens": -1}, "max_output_tokens", ">= 0"),
         ({"release_enabled": "yes"}, "release_enabled", "expected bool"),
     ],
 )

@@ -162,19 +162,6 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", 
             "cannot be enforced",
         ),
         ({"response_format": {"type": "json_object"}, "tool_choice": "required"}, "grammar", "set one of"),
-        (
-            {
-                "messages": [
-                    *ASK,
-                    {
-                        "role": "assistant",
-                        "tool_calls": [{**CALL, "function": {"name": "get_weather", "arguments": "{oops"}}],
-                    },
-                ]
-            },
-            "messages",
-            "not a JSON object",
-        ),
         ({"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]}, "messages", "only an assistant"),
     ],
 )
@@ -191,3 +178,33 @@ def test_tools_on_completions_or_a_model_without_a_template_are_refused(chat_cli
     with pytest.raises(openai.BadRequestError) as caught:
         ask(chat_client, model="pair", max_tokens=4)
     assert "no chat template" in caught.value.body["message"]
+
+
+def test_a_call_cut_by_max_tokens_goes_out_as_openai_sends_it_and_comes_back_in_the_history(chat_client):
+    """Cut mid-arguments: finish_reason "length" and the arguments as far as they came, whole and streamed, one
+    entry per call in each delta; the history holding the cut call (as an agent sends it back, with the error its
+    tool run gave) is answered, not refused."""
+    fields = {"tool_choice": "required", "max_tokens": 18}
+    whole = ask(chat_client, **fields).choices[0]
+    assert whole.finish_reason == "length" and len(whole.message.tool_calls) == 1
+    cut = whole.message.tool_calls[0].function
+    assert cut.name == "get_weather" and cut.arguments.startswith('{"city":') and not cut.arguments.endswith("}")
+    text, calls, reasons, chunks = streamed(chat_client, **fields)
+    assert reasons[-1] == "length" and calls[0]["arguments"] == cut.arguments
+    for chunk in chunks:  # OpenAI never sends two entries of one call in one delta
+        indices = [piece.index for piece in (chunk.choices[0].delta.tool_calls or ())] if chunk.choices else []
+        assert len(indices) == len(set(indices)), chunk
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [whole.message.tool_calls[0].model_dump()]},
+        {"role": "tool", "tool_call_id": whole.message.tool_calls[0].id, "content": "Error: arguments not JSON"},
+    ]
+    again = ask(chat_client, messages=history, max_tokens=24)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_required_call_cut_at_its_first_token_leaks_no_layout_json(chat_client):
+    answer = ask(chat_client, tool_choice="required", max_completion_tokens=1).choices[0]
+    assert answer.finish_reason == "length" and not answer.message.content and not answer.message.tool_calls
+    text, calls, reasons, _ = streamed(chat_client, tool_choice="required", max_completion_tokens=1)
+    assert text is None and calls == [] and reasons[-1] == "length"
