@@ -10,7 +10,7 @@ WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
 DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 MLX_BACKEND ?= $(if $(DRIVER),$(if $(shell [ $(DRIVER) -ge 580 ] && echo y),cuda13,cuda12),cpu)
 
-.PHONY: install proto lint format test bench models real-model vocabularies run clean
+.PHONY: install proto lint format test bench models real-model vocabularies clients run clean
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,14 @@ real-model: install
 vocabularies: install
 	$(BIN)/python models/gguf_vocabs.py
 
+# The clients the tests run that are not Python packages: Claude Code from npm, into .clients (outside git).
+CLAUDE_CODE := @anthropic-ai/claude-code@2.1.197
+clients: .clients/.installed
+
+.clients/.installed:
+	npm install --silent --no-audit --no-fund --prefix .clients $(CLAUDE_CODE)
+	touch $@
+
 # ruff: the linter and the formatter's check (make format rewrites).
 lint: install
 	$(BIN)/ruff check .
@@ -41,7 +49,7 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: install lint real-model vocabularies
+test: install lint real-model vocabularies clients
 	$(WITH_BLAS) $(BIN)/python -m pytest -q
 
 bench: install real-model
@@ -54,4 +62,4 @@ run: install real-model
 	$(BIN)/python -m supervisor serve --sample-request
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .whl models/smollm2 models/gemma3-270m
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .whl .clients models/smollm2 models/gemma3-270m

@@ -27,6 +27,9 @@ SECTIONS = (
     "grammar",
     "structured",
     "tools",
+    "claude_code",
+    "pull",
+    "adapters",
 )
 
 PAGE_HEADER = """# Benchmarks

@@ -129,6 +129,12 @@ class ModelFootprint:
         tensors = {}
         for file in files:
             tensors.update(read_safetensors_header(file))
+        return cls.from_parts(folder, config, tensors)
+
+    @classmethod
+    def from_parts(cls, folder: Path, config: dict, tensors: dict) -> ModelFootprint:
+        """From a config and the weights' safetensors header entries (read from files, or from a hub's byte
+        ranges before the weights come: supervisor.hub)."""
         quantization = config.get("quantization") or config.get("quantization_config")
         if not isinstance(quantization, dict) or "bits" not in quantization:
             quantization = None

@@ -49,3 +49,26 @@ def spinner(message: str, file=None):
         return
     with console.status(message) as status:
         yield lambda message: status.update(message)
+
+
+@contextlib.contextmanager
+def growing_bar(description: str, file=None):
+    """Yields ``show(done, total)``: a bar with bytes done, the rate and the time left, whose total may grow as
+    work is found (a pull's files). Nothing off a terminal."""
+    console = _console(file)
+    if not console.is_terminal:
+        yield lambda done, total: None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, TimeRemainingColumn(), console=console, transient=True) as progress:
+        task = progress.add_task(description, total=None)
+        yield lambda done, total: progress.update(task, completed=done, total=total or None)

@@ -18,7 +18,7 @@ import math
 
 from .defaults import MAX_MESSAGE_BYTES, MAX_NUM_DRAFT_TOKENS
 from .errors import InvalidRequest
-from .settings import DRAFTERS
+from .settings import ADAPTER_NAME, DRAFTERS
 from .tool_calls import check_history, check_tools
 
 INT32_MAX = 2**31 - 1
@@ -92,6 +92,7 @@ def check_fields(
     prompt_logprobs: bool = False,
     context_ids=(),
     return_prompt_ids: bool = False,
+    adapter: str = "",
 ) -> None:
     """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs, or
     (role, content, name, tool_call_id, tool_calls) tuples (``common.tool_calls.check_history``);
@@ -111,6 +112,8 @@ def check_fields(
             raise InvalidRequest("messages", f"message {index}: role {role!r} is not one of {', '.join(ROLES)}")
         _text("messages", content)
     check_history(messages)
+    if adapter and not ADAPTER_NAME.fullmatch(adapter):
+        raise InvalidRequest("adapter", "an adapter's name is letters, digits, '.', '_' and '-'")
     if not 1 <= max_tokens <= INT32_MAX:
         raise InvalidRequest("max_tokens", f"must lie in [1, {INT32_MAX}]")
     if not math.isfinite(temperature) or temperature < 0:
@@ -240,4 +243,5 @@ def fields_of(message) -> dict:
         prompt_logprobs=message.prompt_logprobs,
         context_ids=tuple(message.context_ids),
         return_prompt_ids=message.return_prompt_ids,
+        adapter=message.adapter,
     )

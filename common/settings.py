@@ -128,6 +128,30 @@ def _depth(key: str, value) -> int | None:
     return value
 
 
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _adapters(key: str, value) -> str:
+    """LoRA adapters: a table ``{name = "folder"}`` or ``name=folder,name=folder``, kept as the latter."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, str):
+        pairs = [item.split("=", 1) if "=" in item else (item, "") for item in value.split(",") if item]
+    else:
+        raise SettingsError(key, 'expected a table such as {french = "adapters/french"}')
+    for name, folder in pairs:
+        if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+            raise SettingsError(key, f"{name!r}: an adapter's name is letters, digits, '.', '_' and '-'")
+        if not isinstance(folder, str) or not folder or "," in folder:
+            raise SettingsError(f"{key}.{name}", "expected an adapter folder or a hub repository")
+    return ",".join(f"{name}={folder}" for name, folder in pairs)
+
+
+def adapter_folders(text: str) -> dict[str, str]:
+    """The ``adapters`` setting as name -> folder."""
+    return dict(item.split("=", 1) for item in text.split(",") if item)
+
+
 def _cache_limit(key: str, value) -> str | int:
     return value if value in (CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED) else parse_size(key, value)
 
@@ -144,6 +168,7 @@ _PARSERS = {
     "duration": parse_duration,
     "depth": _depth,
     "cache_limit": _cache_limit,
+    "adapters": _adapters,
 }
 
 
@@ -307,6 +332,12 @@ class RunnerSettings:
         "seconds in-flight work gets after SIGTERM (the supervisor's drain_grace)",
         config=False,
     )
+    adapters: str = setting(
+        "",
+        "adapters",
+        "LoRA adapters over the target, chosen per request (model NAME:ADAPTER): in the config a table "
+        '{name = "folder or org/repo"}; on the command line name=folder,name=folder (runner/adapters.py)',
+    )
     tool_format: str = setting(
         "",
         "str",
@@ -351,6 +382,8 @@ class RunnerSettings:
             hosts = read_hostfile(self.hostfile)
             if len(hosts) != self.ranks:
                 raise SettingsError("hostfile", f"{self.hostfile} names {len(hosts)} ranks; ranks is {self.ranks}")
+        if self.ranks > 1 and self.adapters:
+            raise SettingsError("adapters", "a runner group serves no LoRA adapters yet: leave ranks at 1")
         if self.ranks > 1 and self.prompt_cache_dir is not None:
             raise SettingsError("ranks", "a group keeps no disk tier yet: leave prompt_cache_dir unset")
         if self.ranks > 1 and self.prompt_cache_cold_after:

@@ -262,6 +262,8 @@ def _function(tool, where: str) -> dict:
     kept = {"name": name, "parameters": parameters}
     if function.get("description"):
         kept["description"] = function["description"]
+    if function.get("strict") is True:  # OpenAI's strict: its schema followed exactly, or refused
+        kept["strict"] = True
     return kept
 
 
@@ -308,6 +310,12 @@ def generic_instructions(tools: Tools) -> str:
     return f"You can call these tools:\n{listed}\n\n{how}"
 
 
+# How the generic layout's grammar writes JSON (no whitespace): earlier answers are written back the same way, so
+# the next turn's prompt repeats the tokens the model generated and the prompt cache finds them (a cache that
+# cannot be trimmed, a sliding window's, is reused only for an exact prefix).
+COMPACT = (",", ":")
+
+
 def conversation(messages, tools: Tools, family: str) -> list[dict]:
     """The chat template's ``messages`` for a conversation of (role, content[, name, tool_call_id, tool_calls])
     tuples: as Hugging Face templates take tool calls and results for a native family; for the generic layout,
@@ -333,7 +341,7 @@ def conversation(messages, tools: Tools, family: str) -> list[dict]:
         elif calls:
             written = [{"name": n, "arguments": arguments_of(a)} for _, n, a in calls]
             if tools.calls:  # as the model writes a call
-                text = json.dumps({"tool_calls": written}, ensure_ascii=False)
+                text = json.dumps({"tool_calls": written}, ensure_ascii=False, separators=COMPACT)
             else:
                 text = "\n".join(f"I call {c['name']} with {json.dumps(c['arguments'])}." for c in written)
             out.append({"role": "assistant", "content": text})
@@ -344,7 +352,8 @@ def conversation(messages, tools: Tools, family: str) -> list[dict]:
             else:
                 out.append({"role": "user", "content": text, "results": True})
         elif role == "assistant" and tools.calls:
-            out.append({"role": "assistant", "content": json.dumps({"response": content}, ensure_ascii=False)})
+            answer = json.dumps({"response": content}, ensure_ascii=False, separators=COMPACT)
+            out.append({"role": "assistant", "content": answer})
         else:
             out.append({"role": role, "content": content})
     for entry in out:
@@ -371,13 +380,15 @@ def _literal(text: str) -> str:
     return json.dumps(text)  # a Lark string literal (names are [A-Za-z0-9_-], so no escapes beyond JSON's)
 
 
-def grammar(tools: Tools, family: str, bound=lambda schema: schema) -> str:
+def grammar(tools: Tools, family: str, bound=lambda schema: schema, lenient: bool = False) -> str:
     """The request's ``grammar`` (runner.constraint's JSON spec, a Lark grammar) that holds the answer to the
     family's calls of the offered functions, or "" where the answer decodes freely (``none``; ``auto`` for
     llama3 and pythonic, whose calls have no marker to wait for). ``auto`` for hermes and mistral is lazy, as
     llama.cpp's: free text that never holds the family's marker, or such text, the marker and calls.
-    ``bound(schema)`` adjusts each function's parameters (runner.constraint's integer bounds). Raises
-    InvalidRequest where a call cannot be enforced (the pythonic family)."""
+    ``bound(schema)`` adjusts each function's parameters (runner.constraint's integer bounds); ``lenient``:
+    keywords the engine does not implement are left out of the parameters' grammar instead of refused
+    (``runner.request.tool_constraint`` says when). Raises InvalidRequest where a call cannot be enforced (the
+    pythonic family)."""
     lazy = tools.choice == "auto" and family in LAZY
     if not tools.calls or (tools.choice == "auto" and family != "generic" and not lazy):
         return ""
@@ -389,7 +400,7 @@ def grammar(tools: Tools, family: str, bound=lambda schema: schema) -> str:
         schema = dict(bound(function["parameters"]))
         if "properties" in schema and "additionalProperties" not in schema:
             schema["additionalProperties"] = False  # the declared parameters only, unless the schema allows more
-        schema["x-guidance"] = JSON_LAYOUT
+        schema["x-guidance"] = {**JSON_LAYOUT, "lenient": True} if lenient else JSON_LAYOUT
         head = _literal(f'{{"name":"{function["name"]}","{key}":')
         rules.append(f"args{index}: %json {json.dumps(schema)}")
         bodies.append(f'{head} args{index} "}}"')

@@ -297,6 +297,8 @@ class Constraint:
         a JSON number that has all the digits it may have, the tokens that would add more are left out (unless
         nothing else is allowed)."""
         mask = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        if self.matcher.is_error():  # no way on from here (a part of the grammar that admits nothing)
+            raise ConstraintBroken(f"admits no way on from here: {_first_line(self.matcher.get_error())}")
         limit = self.numbers.limit() if self.numbers is not None else None
         if limit is None:
             return mask

@@ -17,6 +17,8 @@ mlx-lm's ``speculative_generate_step`` never releases the pool while decoding
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,13 +26,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import psutil
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from common.defaults import DEFAULT_NUM_DRAFT_TOKENS
 from common.errors import InvalidRequest, ModelLoadError, TokenizerMismatch
 from common.footprint import ModelFootprint, default_prompt_cache_bytes, resolve_dtype
-from common.settings import CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED, RunnerSettings
+from common.settings import CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED, RunnerSettings, adapter_folders
 from common.tool_calls import detect
 
+from .adapters import AdaptedModel, with_adapters
 from .batch_memory import CacheCost
 from .constraint import Grammars
 from .decoders import Decoder, PlainDecoder, SpeculativeDecoder
@@ -49,6 +53,7 @@ from .results import Round, token_logprobs
 from .session import Session
 
 log = logging.getLogger("runner")
+KEEP_PREFILL_TOKENS = 512  # a prompt longer than this leaves its prefilled caches too, where they cannot be trimmed
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
@@ -127,7 +132,14 @@ class Engine:
             cold_after=0.0 if self.kv is not None else settings.prompt_cache_cold_after,
             measure=self._entry_measure(target, group),
         )
+        # LoRA adapters over the target (runner.adapters): one copy of the base, an adapter chosen per request.
+        folders = {name: Path(folder) for name, folder in adapter_folders(settings.adapters).items()}
+        self.adapters, self._adapter_rows = with_adapters(target.model, folders) if folders else ([], None)
+        self.adapter_names = tuple(adapter.name for adapter in self.adapters)
+        self._adapted: dict[int, AdaptedModel] = {}  # adapter index -> the target as a session calls it
         self.cache_cost = CacheCost.measure(target.model)  # what a request's cache costs, per token and per row
+        # Whether the target's caches can be trimmed back to a shorter prefix (not a sliding window's).
+        self.trimmable = all(type(layer) is KVCache for layer in make_prompt_cache(target.model))
         self.drafters = self._available_drafters()
         self.default_drafter = self._default_drafter()
         # Per runner and drafter: round time by depth, and the acceptance by position a request starts from.
@@ -311,13 +323,35 @@ class Engine:
         self.total_releases += 1
         return Released(before, mx.get_cache_memory(), entries, evicted, cooled, saved)
 
+    def keeps_prefills(self, session: Session) -> bool:
+        """Whether ``keep_prefill`` is worth it for this request: its caches cannot be trimmed back (a sliding
+        window's), its prompt is long, and it may use the prompt cache."""
+        return (
+            self.prompt_cache.enabled
+            and session.prepared.cache_prompt
+            and len(session.prepared.prompt_ids) > KEEP_PREFILL_TOKENS
+            and not self.trimmable
+        )
+
+    def keep_prefill(self, session: Session) -> None:
+        """A copy of ``session``'s caches as they are once its prompt is in, into the prompt cache. A sliding
+        window's cache cannot be trimmed back, so the entry a request leaves at its end (prompt and answer) serves
+        only a prompt that repeats all of it; the next turn of a conversation repeats the prompt, then the answer
+        as the template lays it out, which is not always the tokens decoded (a grammar's forced tokens). This
+        entry serves it whole: Claude Code's second turn on Gemma 3 found nothing without it."""
+        tokens, caches = session.prefilled_state()
+        copies = [copy.deepcopy(layers) if layers else layers for layers in caches]
+        self.prompt_cache.store(list(tokens), copies, namespace=session.prepared.adapter)
+
     def share_prefill(self, session: Session) -> None:
         """A copy of ``session``'s prefilled caches in the prompt cache, for the other choices of its request
         (n > 1): they find its prompt there and prefill only its last token."""
         tokens, caches = session.prefilled_state()
         if tokens and self.prompt_cache.enabled:
             self.prompt_cache.store(
-                list(tokens), [trimmed_copy(layers, len(tokens)) if layers else layers for layers in caches]
+                list(tokens),
+                [trimmed_copy(layers, len(tokens)) if layers else layers for layers in caches],
+                namespace=session.prepared.adapter,
             )
 
     def prepare(self, request: GenerationRequest, counting: bool = False) -> PreparedRequest:
@@ -336,7 +370,24 @@ class Engine:
             tool_format=self.tool_format,
             counting=counting,
             max_output_tokens=self.settings.max_output_tokens,
+            adapters=self.adapter_names,
         )
+
+    def target_model(self, adapter: int = 0):
+        """The target as a request with LoRA adapter ``adapter`` calls it (setting its rows' adapter before each
+        pass; one object per adapter, so requests of one adapter prefill together); the model itself when the
+        runner has no adapters."""
+        if self._adapter_rows is None:
+            return self.target.model
+        if adapter not in self._adapted:
+            self._adapted[adapter] = AdaptedModel(self.target.model, self._adapter_rows, lambda: (adapter,))
+        return self._adapted[adapter]
+
+    def batch_model(self, batch):
+        """The target as ``batch`` calls it: each row with its own request's adapter."""
+        if self._adapter_rows is None:
+            return self.target.model
+        return AdaptedModel(self.target.model, self._adapter_rows, lambda: [s.prepared.adapter for s in batch.rows])
 
     def prefill_planner(self) -> PrefillPlanner:
         heads = max(
@@ -355,7 +406,9 @@ class Engine:
     def session(self, prepared: PreparedRequest) -> Session:
         """A session for one prepared request, from its parts: the decoder (on the caches a prompt-cache hit
         gives), the release schedule, the prefill planner, and the prompt cache to keep its caches at the end."""
-        reuse = self.prompt_cache.lookup(prepared.prompt_ids) if prepared.cache_prompt else Hit(0, None)
+        reuse = (
+            self.prompt_cache.lookup(prepared.prompt_ids, prepared.adapter) if prepared.cache_prompt else Hit(0, None)
+        )
         return Session(
             prepared,
             self.decoder(prepared, reuse),
@@ -365,7 +418,9 @@ class Engine:
                 self.release_memory, self.settings.release_interval, self.settings.release_enabled
             ),
             planner=self.prefill_planner(),
-            keep=self.prompt_cache.store if prepared.cache_prompt else None,
+            keep=functools.partial(self.prompt_cache.store, namespace=prepared.adapter)
+            if prepared.cache_prompt
+            else None,
         )
 
     def decoder(self, prepared: PreparedRequest, reuse: Hit) -> Decoder:
@@ -399,7 +454,9 @@ class Engine:
         seeded_sampling = request.seed is not None and not prepared.params.greedy
         if drafter == "none" or pinned == 0 or (seeded_sampling and request.num_draft_tokens is None):
             # A seeded sample draws one key per token, the same alone or in a batch: no drafting unless pinned.
-            return PlainDecoder(self.target.model, prepared.prompt_ids, prepared.params, key, cache, held)
+            return PlainDecoder(
+                self.target_model(prepared.adapter), prepared.prompt_ids, prepared.params, key, cache, held
+            )
         depth = FixedDepth(pinned) if pinned is not None else self.depth[drafter].for_request()
         if drafter == "model":
             draft_cache, draft_held = (
@@ -409,7 +466,7 @@ class Engine:
         else:
             source = NgramDrafter(prepared.prompt_ids, self.settings.ngram_max, self.settings.ngram_min)
         return SpeculativeDecoder(
-            self.target.model, prepared.prompt_ids, prepared.params, key, source, depth, cache, held
+            self.target_model(prepared.adapter), prepared.prompt_ids, prepared.params, key, source, depth, cache, held
         )
 
     # -- generation ---------------------------------------------------------

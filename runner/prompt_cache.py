@@ -152,6 +152,7 @@ class Entry:
     nbytes: int
     used: float = field(default_factory=time.monotonic)  # when it was stored or last hit
     cold: bool = False  # its float KV layers are held quantized (the cold tier)
+    namespace: int = 0  # the LoRA adapter it was computed with (runner.adapters; 0: the base alone)
 
 
 @dataclass
@@ -232,23 +233,27 @@ class PromptCache:
         idle = [k for k, e in self._entries.items() if not e.cold and now - e.used >= self.cold_after]
         return sum(self._cool(k) for k in idle)
 
-    def lookup(self, prompt: list[int]) -> Hit:
-        """The longest cached prefix of ``prompt`` (never the whole prompt: its last token must be run)."""
-        if not self.enabled or not (self._entries or (self.disk is not None and self.disk.entries)):
+    def lookup(self, prompt: list[int], namespace: int = 0) -> Hit:
+        """The longest cached prefix of ``prompt`` (never the whole prompt: its last token must be run), among
+        the entries of ``namespace`` (the LoRA adapter the request decodes with: another's KV would be wrong)."""
+        disk = self.disk if namespace == 0 else None  # the disk tier keeps the base's entries only
+        if not self.enabled or not (self._entries or (disk is not None and disk.entries)):
             self.misses += 1
             return Hit(0, None)
         self.cool_idle()
         best_key, best = None, MIN_REUSE_TOKENS - 1
         limit = len(prompt) - 1
         for key, entry in reversed(self._entries.items()):  # on a tie, the most recently used
+            if entry.namespace != namespace:
+                continue
             shared = min(common_prefix(entry.tokens, prompt), limit)
             if shared < len(entry.tokens) and not all(can_trim_prompt_cache(c) for c in entry.caches if c):
                 continue  # an untrimmable state is usable only whole
             if shared > best:
                 best_key, best = key, shared
-        if self.disk is not None:
-            name, shared = self.disk.best(prompt, limit)
-            loaded = self.disk.load(name) if name is not None and shared > best else None
+        if disk is not None:
+            name, shared = disk.best(prompt, limit)
+            loaded = disk.load(name) if name is not None and shared > best else None
             key = self._insert(*loaded) if loaded is not None else None  # into memory, not written again
             if key is not None:  # (None: larger than the memory budget)
                 best_key, best = key, shared
@@ -267,23 +272,31 @@ class PromptCache:
             copies = [warmed(layers) if layers else layers for layers in copies]
         return Hit(best, copies)
 
-    def store(self, tokens: list[int], caches: list[list]) -> int:
+    def store(self, tokens: list[int], caches: list[list], namespace: int = 0) -> int:
         """Keep the caches of a finished request (which no longer uses them), on disk too when there is a disk
-        tier; returns bytes evicted from memory."""
+        tier (the base's); returns bytes evicted from memory. ``namespace``: its LoRA adapter (0: none)."""
         if not self.enabled or not tokens:
             return 0
-        if self.disk is not None:
+        if self.disk is not None and namespace == 0:
             self.disk.store(tokens, caches)
         self.cool_idle()
-        return self._insert(tokens, caches, evicted_bytes=True)
+        return self._insert(tokens, caches, evicted_bytes=True, namespace=namespace)
 
-    def _insert(self, tokens: list[int], caches: list[list], evicted_bytes: bool = False) -> int | None:
+    def _insert(
+        self, tokens: list[int], caches: list[list], evicted_bytes: bool = False, namespace: int = 0
+    ) -> int | None:
         """Put an entry in memory; returns the bytes evicted for it (``evicted_bytes``) or its key."""
         nbytes = self.measure(caches)
         if nbytes > self.budget:
             return 0 if evicted_bytes else None
-        # An entry that is a prefix of the new one adds nothing the new one does not hold.
-        for key in [k for k, e in self._entries.items() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
+        # An entry that is a prefix of the new one (of the same adapter) adds nothing the new one does not hold,
+        # unless the new one cannot be trimmed back to it (a sliding window's: ``keep_prefill``'s entries).
+        trimmable = all(can_trim_prompt_cache(c) for c in caches if c)
+        for key in [
+            k
+            for k, e in self._entries.items()
+            if trimmable and e.namespace == namespace and common_prefix(e.tokens, tokens) == len(e.tokens)
+        ]:
             self._drop(key)
         if self.cold_after:  # quantize the least recently used float entries before evicting any
             for key in [k for k, e in self._entries.items() if not e.cold]:
@@ -294,7 +307,7 @@ class PromptCache:
         while self._entries and self.nbytes + nbytes > self.budget:
             evicted += self._evict_oldest()
         key = self._next_key
-        self._entries[key] = Entry(list(tokens), caches, nbytes, self.clock())
+        self._entries[key] = Entry(list(tokens), caches, nbytes, self.clock(), namespace=namespace)
         self._next_key += 1
         self.nbytes += nbytes
         return evicted if evicted_bytes else key

@@ -8,6 +8,8 @@ generates from: nothing is validated or tokenized twice.
 from __future__ import annotations
 
 import inspect
+import json
+import logging
 import secrets
 from dataclasses import dataclass, fields
 
@@ -17,6 +19,8 @@ from common.tool_calls import Tools, check_tools, conversation
 from common.tool_calls import grammar as tool_grammar
 
 from .sampling import SamplingParams
+
+log = logging.getLogger("runner")
 
 # End-of-turn tokens of common chat templates; a template that writes one of them ends a turn with it.
 END_OF_TURN = (
@@ -74,6 +78,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # score the prompt's tokens (its whole prefill, no prompt-cache reuse)
     context_ids: tuple[int, ...] = ()  # an earlier exchange's tokens, before the prompt (Ollama's context)
     return_prompt_ids: bool = False  # the first chunk carries the prompt's token ids
+    adapter: str = ""  # a LoRA adapter of the model's (runner.adapters); "" = the base alone
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,7 @@ class PreparedRequest:
     cache_prompt: bool = True
     constraint: object = None  # runner.constraint.Constraint: the request's grammar state, or None
     tool_format: str = ""  # the answer is split into text and calls of this family (common.tool_calls); "" = not
+    adapter: int = 0  # the request's LoRA adapter's index in the engine's (0: the base alone)
 
     @property
     def request_id(self) -> str:
@@ -142,7 +148,7 @@ def fold_system_messages(messages: list[dict]) -> list[dict] | None:
             out[0]["content"] = f"{out[0]['content']}\n\n{out[index]['content'] or ''}"
             out[index] = None
             continue
-        users = [i for i in range(index - 1, -1, -1) if out[i]["role"] == "user"]
+        users = [i for i in range(index - 1, -1, -1) if out[i] is not None and out[i]["role"] == "user"]
         users = users or [i for i in range(index + 1, len(out)) if out[i]["role"] == "user"]
         text = out[index]["content"] or ""
         if users:
@@ -174,10 +180,18 @@ def prompt_ids_of(
     context = [int(t) for t in request.context_ids]
     if any(t >= vocab_size for t in context):
         raise InvalidRequest("context_ids", f"token ids must lie in [0, {vocab_size})")
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if ids and bos is not None and ids[0] == bos:  # the context has its own at its start
-        ids = ids[1:]
+    if ids and context and ids[0] == getattr(tokenizer, "bos_token_id", None) and adds_bos(request, tokenizer):
+        ids = ids[1:]  # the context begins with it already: not a second one in the middle
     return context + ids
+
+
+def adds_bos(request: GenerationRequest, tokenizer) -> bool:
+    """Whether laying the request out put a BOS token before it: the chat template writes ``bos_token``, or the
+    tokenizer adds one to a text. (SmolLM2's BOS is ``<|im_start|>``, which its template writes as a turn's start:
+    that one is the conversation's own, and stays.)"""
+    if request.messages:
+        return "bos_token" in (getattr(tokenizer, "chat_template", None) or "")
+    return not request.prompt_ids and bool(getattr(tokenizer, "add_bos_token", False))
 
 
 def own_prompt_ids(
@@ -207,12 +221,14 @@ def prepare(
     tool_format: str = "generic",
     counting: bool = False,
     max_output_tokens: int = 0,
+    adapters: tuple[str, ...] = (),
 ) -> PreparedRequest:
     """Validate (``common.requests.check_fields``: the same judge as the supervisor's) and tokenize ``request``
     once; raises InvalidRequest naming the field. ``tool_format``: how this model writes tool calls.
     ``counting``: only to count its prompt's tokens (Anthropic's count_tokens), so a prompt longer than the
     context is counted, not refused (the request's size is bounded by the gRPC message's).
-    ``max_output_tokens``: the model's cap on an answer (its setting; 0 = none)."""
+    ``max_output_tokens``: the model's cap on an answer (its setting; 0 = none); ``adapters``: the names of the
+    model's LoRA adapters, in their order (runner.adapters)."""
     check_fields(**{f.name: getattr(request, f.name) for f in fields(request) if f.name in CHECKED})
     if request.max_context:
         context_length = min(context_length, request.max_context)
@@ -233,7 +249,7 @@ def prepare(
         raise InvalidRequest("logit_bias", f"token ids must lie in [0, {vocab_size})")
     constraint = grammars.constraint(request.grammar) if request.grammar else None
     if tools.calls:
-        constraint = tool_constraint(grammars, tools, tool_format)
+        constraint = tool_constraint(grammars, tools, tool_format, request.request_id)
     k = default_num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
     asked = min(request.max_tokens, max_output_tokens) if max_output_tokens else request.max_tokens
     eos_ids = frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids)
@@ -252,20 +268,63 @@ def prepare(
         cache_prompt=request.cache_prompt and not request.prompt_logprobs,  # every prompt position is scored
         constraint=constraint,
         tool_format=tool_format if tools.calls else "",
+        adapter=adapter_index(request.adapter, adapters),
     )
 
 
-def tool_constraint(grammars, tools: Tools, tool_format: str):
+def adapter_index(name: str, adapters: tuple[str, ...]) -> int:
+    """A request's adapter as its index in the model's (1 on; 0: the base alone); refused naming ``adapter``."""
+    if not name:
+        return 0
+    if name not in adapters:
+        listed = ", ".join(adapters) if adapters else "none"
+        raise InvalidRequest("adapter", f"this model has no adapter {name!r} (its adapters: {listed})")
+    return adapters.index(name) + 1
+
+
+def tool_constraint(grammars, tools: Tools, tool_format: str, request_id: str = ""):
     """The grammar that holds the answer to calls of the offered tools (``common.tool_calls.grammar``), or
-    None where it decodes freely; a parameters schema the engine cannot compile is refused naming ``tools``."""
+    None where it decodes freely; a parameters schema the engine cannot compile is refused naming ``tools``.
+
+    A schema holding keywords the engine does not implement (Claude Code's ``propertyNames``) is held to the rest
+    of itself, with a warning in the log, unless a function is marked ``strict``: an agent checks its tools'
+    arguments itself, as it must with every server that does not constrain them, and refusing would refuse the
+    whole tool set (Claude Code could not run at all)."""
     from .constraint import bounded_integers
 
     spec = tool_grammar(tools, tool_format, bounded_integers)
     if not spec:
         return None
+    # The whole answer is JSON (and a call's markers hold no quote or digit) unless free text may come first.
+    json_output = not (tools.choice == "auto" and tool_format != "generic")
+    lenient = False
     try:
-        # The whole answer is JSON (and a call's markers hold no quote or digit) unless free text may come first.
-        free_text_first = tools.choice == "auto" and tool_format != "generic"
-        return grammars.constraint(spec, json_output=not free_text_first)
+        constraint = grammars.constraint(spec, json_output=json_output)
     except InvalidRequest as error:
-        raise InvalidRequest("tools", f"the functions' parameters cannot be enforced: {error.message}") from None
+        relaxable = "Unimplemented keys" in error.message and not any(f.get("strict") for f in tools.functions)
+        if not relaxable:
+            raise InvalidRequest("tools", f"the functions' parameters cannot be enforced: {error.message}") from None
+        log.warning(
+            "request %s: tools: %s; their calls are held to the rest of each schema (mark a function strict to "
+            "have it refused instead)",
+            request_id or "-",
+            error.message.removeprefix("grammar: "),
+        )
+        lenient = True
+        try:
+            constraint = grammars.constraint(
+                tool_grammar(tools, tool_format, bounded_integers, lenient=True), json_output=json_output
+            )
+        except InvalidRequest as error:
+            message = f"the functions' parameters cannot be enforced: {error.message}"
+            raise InvalidRequest("tools", message) from None
+    for function in tools.offered:  # each alone, so one that admits no arguments at all is refused here
+        schema = dict(bounded_integers(function["parameters"]))
+        if lenient:
+            schema["x-guidance"] = {"lenient": True}
+        try:
+            grammars.compile(json.dumps({"json_schema": schema}))
+        except InvalidRequest as error:
+            why = error.message.removeprefix("grammar: ")
+            raise InvalidRequest("tools", f"{function['name']}: its parameters cannot be enforced: {why}") from None
+    return constraint

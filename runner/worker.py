@@ -72,6 +72,7 @@ class GenerationJob:
     session: Session | None = None  # once admitted
     on_prefilled: Callable[[GenerationJob], None] | None = None  # called once, on the MLX thread, after its prefill
     cancelled_before: bool = False  # in a runner group: cancelled before admission, as rank 0 shared it
+    kept_prefill: bool = False  # its prefilled caches went to the prompt cache (Engine.keep_prefill)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -126,6 +127,7 @@ class MlxWorker:
         self._controls: collections.deque[tuple[callable, Future, tuple | None]] = collections.deque()
         self._active: list[GenerationJob] = []  # admitted: prefilling or decoding
         self._batch = Batch(engine.target.model, engine.release_memory, engine.settings.release_enabled)
+        self._batch.model = engine.batch_model(self._batch)  # each row with its request's LoRA adapter
         self._planner = engine.prefill_planner()  # its limits size the prefill passes requests share
         self.memory = BatchMemory(engine.cache_cost, engine.settings.batch_memory)
         self._stopping = False
@@ -408,6 +410,9 @@ class MlxWorker:
                 if job.on_prefilled is not None and job.session.prefilled:
                     hook, job.on_prefilled = job.on_prefilled, None
                     hook(job)
+                if not job.kept_prefill and job.session.prefilled and self.engine.keeps_prefills(job.session):
+                    job.kept_prefill = True
+                    self.engine.keep_prefill(job.session)
             self.heartbeat = time.monotonic()
             self._run_controls()
 
@@ -483,7 +488,8 @@ class MlxWorker:
                 self._active.remove(job)
             s = final.stats
             log.info(
-                "request %s: %s after %d tokens, %d rounds, acceptance %.2f, %.0f tok/s, releases %s",
+                "request %s: %s after %d tokens, %d rounds, acceptance %.2f, %.0f tok/s, releases %s; prompt %d "
+                "tokens (%d from the prompt cache), prefilled in %.2f s",
                 job.request.request_id or "-",
                 final.finish_reason.name.lower(),
                 s.generated_tokens,
@@ -491,6 +497,9 @@ class MlxWorker:
                 s.acceptance_rate,
                 s.tokens_per_second,
                 s.release_positions,
+                s.prompt_tokens,
+                s.cached_tokens,
+                s.prefill_seconds,
             )
 
     def _fail(self, job: GenerationJob, error: BaseException) -> None:

@@ -1,7 +1,7 @@
 """The supervisor's command line.
 
 python -m supervisor serve [--config FILE] | chat --model NAME | generate --model NAME PROMPT
-                     | models | memory | status | top [--once] | estimate
+                     | models | memory | status | top [--once] | estimate [REPO] | pull REPO
                      | worker --model NAME [--rank R] | lws-hostfile OUT --port P
 """
 
@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 import grpc
 
 from common import logs
 
-from .config import DEFAULT_LISTEN, ConfigError, default_config, load
+from .config import DEFAULT_LISTEN, ConfigError, default_config, from_dict, load
 
 SAMPLE_PROMPT = "The for statement is used to iterate over the elements of a sequence"
 SAMPLE_QUESTION = "What is the capital of France?"
@@ -130,6 +131,8 @@ def client_command(args) -> int:
                     print()
             elif args.command == "models":
                 print(format_models(client.list_models().models))
+                for name in client.get_status().cached:  # hub repositories a request may name
+                    print(f"{name:<16} cached    (in the hub cache; loaded on first request)")
             elif args.command == "memory":
                 memory = client.get_memory()
                 print(format_models(memory.models, memory=True))
@@ -156,16 +159,27 @@ def client_command(args) -> int:
 
 
 def estimate_command(args) -> int:
+    from .hub import HubError, parse_ref
     from .memory import SUPERVISOR_ALLOWANCE, pod_memory
 
     try:
-        config = load(args.config) if args.config else default_config()
+        if args.model:  # a hub repository, as a config naming it with the default settings would
+            if parse_ref(args.model) is None:
+                raise ValueError(f"{args.model!r} is not a hub repository (org/name, org/name@revision)")
+            table = {"target": args.model, "load_at_start": False}
+            config = from_dict({"models": {"model": table}}, Path.cwd())
+        else:
+            config = load(args.config) if args.config else default_config()
         total, rows = pod_memory(config)
+    except HubError as error:
+        print(f"supervisor: {error.message}", file=sys.stderr)
+        return 2
     except (ConfigError, OSError, ValueError) as error:
         print(f"supervisor: {error}", file=sys.stderr)
         return 2
     mib = 2**20
     for name, needed, dtype in rows:
+        name = args.model or name
         print(
             f"{name}: {needed.total / mib:.0f} MiB ({dtype}: weights {needed.weights / mib:.0f}, "
             f"KV cache {needed.kv_cache / mib:.0f}, prefill {needed.prefill / mib:.0f}, "
@@ -173,6 +187,42 @@ def estimate_command(args) -> int:
         )
     print(f"supervisor: {SUPERVISOR_ALLOWANCE / mib:.0f} MiB")
     print(f"memory request: {-(-total // mib)}Mi")
+    return 0
+
+
+def pull_command(args) -> int:
+    """Fetch a hub repository into the hub cache, with a bar on a terminal (a line per step elsewhere)."""
+    from common.progress import growing_bar
+
+    from . import hub
+
+    ref = hub.parse_ref(args.model)
+    if ref is None:
+        print(
+            f"supervisor pull: {args.model!r} is not a hub repository (org/name, org/name@revision, "
+            "org/name:QUANT or org/name/file.gguf)",
+            file=sys.stderr,
+        )
+        return 2
+    files: dict[str, tuple[int, int]] = {}
+    said: list[str] = []
+    with growing_bar(f"pulling {ref}") as show:
+
+        def report(progress: hub.Progress) -> None:
+            if progress.file:
+                files[progress.file] = (progress.completed, progress.total)
+                show(sum(done for done, _ in files.values()), sum(total for _, total in files.values()))
+            if not sys.stderr.isatty() and (not said or said[-1] != progress.status) and not progress.file:
+                print(progress.status, file=sys.stderr, flush=True)
+            said.append(progress.status)
+
+        try:
+            path = hub.pull(ref, report)
+        except hub.HubError as error:
+            print(f"supervisor pull: {error.message}", file=sys.stderr)
+            return 1
+    total = sum(total for _, total in files.values())
+    print(f"{ref}: {total / 2**20:.1f} MiB in {path}")
     return 0
 
 
@@ -204,6 +254,11 @@ def main(argv=None) -> int:
         "estimate", help="print the memory a config's models need (for a pod's memory request or MemoryMax)"
     )
     estimate_parser.add_argument("--config", help="TOML file (default: the embedded default pair)")
+    estimate_parser.add_argument(
+        "model", nargs="?", help="a hub repository (org/name...) instead of a config: its estimate, before a pull"
+    )
+    pull_parser = commands.add_parser("pull", help="fetch a model from the Hugging Face hub into the hub cache")
+    pull_parser.add_argument("model", help="org/name, org/name@revision, org/name:QUANT or org/name/file.gguf")
     worker_parser = commands.add_parser(
         "worker", help="run this host's rank of a model's group across hosts (the model's ranks and hostfile)"
     )
@@ -228,6 +283,8 @@ def main(argv=None) -> int:
         return serve(args)
     if args.command == "estimate":
         return estimate_command(args)
+    if args.command == "pull":
+        return pull_command(args)
     if args.command == "chat":
         from .chat import main as chat
 

@@ -46,6 +46,7 @@ from .http_common import (
     Number,
     Schema,
     build_request,
+    left_out,
     log_refusal,
     refuse_not_honoured,
     speculation,
@@ -247,6 +248,7 @@ class MessagesRequest(CountTokensRequest):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             stop=list(self.stop_sequences or ()),
+            defaulted=left_out(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
         )
 
 

@@ -37,6 +37,10 @@ class SupervisorClient(HealthCheckedClient):
     def get_status(self):
         return self.stub.GetStatus(supervisor_pb2.GetStatusRequest(), timeout=10, metadata=self.metadata)
 
+    def pull(self, model: str, timeout: float | None = None):
+        """A hub repository's pull: its PullProgress records as they come."""
+        return self.stub.Pull(supervisor_pb2.PullRequest(model=model), timeout=timeout, metadata=self.metadata)
+
     def model(self, name: str):
         return next(m for m in self.list_models().models if m.name == name)
 

@@ -23,6 +23,7 @@
     ngram_min = 2
     release_interval = 256
     cache_limit = "default"           # "default", "unbounded" or bytes
+    sampling = {temperature = 0.7}    # what a request that leaves a sampling field out gets (else the API's default)
     soft_limit = "2GiB"               # ReleaseMemory above this RSS (anonymous)
     hard_limit = "4GiB"               # drain and restart above this
     keep_alive = "5m"                 # unload after this long idle ("0" = never)
@@ -36,7 +37,7 @@
     prompt_cache = "1GiB"             # KV caches kept for prefix reuse; 0 = off; default: see supervisor/memory.py
     batch_memory = "2GiB"             # batched requests' caches, projected to their ends; default: derived
 
-A model's runner settings (every key above but soft_limit, hard_limit, keep_alive and load_at_start) are
+A model's runner settings (every key above but sampling, soft_limit, hard_limit, keep_alive and load_at_start) are
 read, checked and defaulted in one place, ``common.settings.RunnerSettings``; the full list of keys is
 docs/configuration.md. Every problem is reported as one ConfigError naming the key. Reading the config imports
 nothing: a .gguf file becomes a folder at start-up (``resolve_gguf``).
@@ -53,15 +54,17 @@ from pathlib import Path
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_GRACE, DEFAULT_TARGET, SMOLLM2_DIR
 from common.logs import LOG_FORMATS
-from common.settings import RunnerSettings, SettingsError, check_type
+from common.settings import RunnerSettings, SettingsError, adapter_folders, check_type
 from common.settings import parse_duration as _duration
 from common.settings import parse_size as _size
 
 from .gguf_cache import GGUFCacheError, default_cache_dir, imported_folder
+from .hub import parse_ref
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_HTTP_LISTEN = "127.0.0.1:8080"
 DEFAULT_PROBE_PORT = 9464
+PULL = ("never", "cached", "any")
 
 
 class ConfigError(ValueError):
@@ -80,6 +83,11 @@ class ModelConfig:
     hard_limit: int = 0
     keep_alive: float = 0.0  # seconds idle before unloading; 0 = never
     load_at_start: bool = True
+    # What a request that leaves a sampling field out gets, in every API (``SAMPLING``; else the API's default).
+    sampling: dict = field(default_factory=dict)
+    # target / draft named as hub references (supervisor.hub): resolved into the hub cache at start-up
+    # (``resolve_hub``), when the runner's paths become the cached folders or files.
+    refs: dict = field(default_factory=dict)
 
     @property
     def target(self) -> Path:
@@ -120,6 +128,10 @@ class SupervisorConfig:
     # runners get this folder, so a restart finds them compiled (docs/gpu.md).
     kernel_cache_dir: Path = field(default_factory=lambda: default_cache_dir("kernels"))
     log_format: str = "text"
+    # Whether a request may name a hub repository that is not in the config (supervisor.hub): "never", "cached"
+    # (one already in the hub cache is loaded with the default settings) or "any" (also pulled; and the APIs'
+    # pulls are allowed).
+    pull: str = "cached"
 
     @property
     def loaded_cap(self) -> int:
@@ -190,6 +202,29 @@ def _cache_dir(key: str, value: Path | None, base: Path) -> Path | None:
     return path
 
 
+# A model's sampling defaults: each field's check, as common.requests.check_fields judges a request's.
+SAMPLING = {
+    "temperature": (lambda v: 0 <= v <= 100, "a number >= 0"),
+    "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: isinstance(v, int) and 0 <= v < 2**31, "an integer >= 0 (0 turns it off)"),
+    "min_p": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+}
+
+
+def _sampling(key: str, table) -> dict:
+    """``[models.NAME.sampling]``: what a request that leaves temperature, top_p, top_k or min_p out gets, in
+    every API, instead of that API's own default (OpenAI's and Anthropic's temperature 1, Ollama's 0.8, ...)."""
+    if not isinstance(table, dict):
+        raise ConfigError(key, "expected a table such as {temperature = 0.7, top_p = 0.8}")
+    for name, value in table.items():
+        if name not in SAMPLING:
+            raise ConfigError(f"{key}.{name}", f"unknown key (one of {', '.join(SAMPLING)})")
+        check, wanted = SAMPLING[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not check(value):
+            raise ConfigError(f"{key}.{name}", f"must be {wanted}")
+    return dict(table)
+
+
 def _model(name: str, table: dict, base: Path) -> ModelConfig:
     p = f"models.{name}."
     if not isinstance(table, dict):
@@ -197,6 +232,27 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
     table = dict(table)
     if "target" not in table:
         raise ConfigError(f"{p}target", "is required")
+    refs = {}
+    for key in ("target", "draft"):  # a hub reference where no such path exists here
+        value = table.get(key)
+        ref = parse_ref(value) if isinstance(value, str) else None
+        if ref is not None and not (base / Path(value).expanduser()).exists():
+            refs[key] = ref
+    if isinstance(table.get("adapters"), dict):  # each a folder (relative to the config's) or a hub reference
+        adapters = {}
+        for adapter, value in table["adapters"].items():
+            path = base / Path(value).expanduser() if isinstance(value, str) else None
+            ref = parse_ref(value) if isinstance(value, str) else None
+            if path is not None and path.exists():
+                if not (path / "adapter_config.json").is_file():
+                    raise ConfigError(f"{p}adapters.{adapter}", f"{path} holds no adapter_config.json")
+                value = str(path.resolve())
+            elif ref is not None:
+                refs[f"adapters.{adapter}"] = ref
+            elif isinstance(value, str):
+                raise ConfigError(f"{p}adapters.{adapter}", f"no such folder: {path} (nor a hub repository)")
+            adapters[adapter] = value
+        table["adapters"] = adapters
     if isinstance(table.get("hostfile"), str):  # relative to the config's folder, like the model paths
         hostfile = Path(table["hostfile"]).expanduser()
         table["hostfile"] = str(hostfile if hostfile.is_absolute() else base / hostfile)
@@ -206,8 +262,8 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
         raise ConfigError(f"{p}{error.key}", error.message) from None
     settings = replace(
         settings,
-        target=_model_path(f"{p}target", settings.target, base),
-        draft=_model_path(f"{p}draft", settings.draft, base),
+        target=settings.target if "target" in refs else _model_path(f"{p}target", settings.target, base),
+        draft=settings.draft if "draft" in refs else _model_path(f"{p}draft", settings.draft, base),
         prompt_cache_dir=_cache_dir(f"{p}prompt_cache_dir", settings.prompt_cache_dir, base),
     )
     soft = parse_size(f"{p}soft_limit", table.pop("soft_limit", 0))
@@ -221,10 +277,38 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
         hard_limit=hard,
         keep_alive=parse_duration(f"{p}keep_alive", table.pop("keep_alive", 0)),
         load_at_start=_take(table, "load_at_start", p, bool, True),
+        sampling=_sampling(f"{p}sampling", table.pop("sampling", {})),
+        refs=refs,
     )
     if table:
         raise ConfigError(f"{p}{sorted(table)[0]}", "unknown key")
     return model
+
+
+def resolve_hub(config: SupervisorConfig) -> SupervisorConfig:
+    """The config with every hub reference of a target or draft replaced by its path in the hub cache, pulled
+    first where it is not there (``supervisor.hub.pull``; the cache only under HF_HUB_OFFLINE). Done at start-up;
+    a reference that cannot be served is a ConfigError naming the model's key and why."""
+    from . import hub
+
+    models = {}
+    for name, model in config.models.items():
+        paths = {}
+        for key, ref in model.refs.items():
+            try:
+                try:
+                    paths[key] = hub.cached(ref)
+                except hub.HubError:
+                    paths[key] = hub.pull(ref, hub.LoggedProgress(str(ref)))
+            except hub.HubError as error:
+                raise ConfigError(f"models.{name}.{key}", error.message) from None
+        adapters = adapter_folders(model.runner.adapters)
+        for key in [k for k in paths if k.startswith("adapters.")]:  # an adapter's repository: its folder
+            adapters[key.removeprefix("adapters.")] = str(paths.pop(key))
+        if adapters:
+            paths["adapters"] = ",".join(f"{adapter}={folder}" for adapter, folder in adapters.items())
+        models[name] = replace(model, runner=replace(model.runner, **paths)) if paths else model
+    return replace(config, models=models)
 
 
 def resolve_gguf(config: SupervisorConfig) -> SupervisorConfig:
@@ -275,6 +359,9 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
     log_format = _take(data, "log_format", "", str, "text")
     if log_format not in LOG_FORMATS:
         raise ConfigError("log_format", f"{log_format!r} is not one of {', '.join(LOG_FORMATS)}")
+    pull = _take(data, "pull", "", str, "cached")
+    if pull not in PULL:
+        raise ConfigError("pull", f"{pull!r} is not one of {', '.join(PULL)}")
     models = {}
     for name, table in models_table.items():
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
@@ -340,6 +427,7 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
         gguf_cache_dir=gguf_cache_dir,
         kernel_cache_dir=kernel_cache_dir,
         log_format=log_format,
+        pull=pull,
         **timings,
     )
     if data:
@@ -373,5 +461,7 @@ def config_keys() -> list[str]:
     """Every key the config file takes: top-level ones by name, a model's as ``models.NAME.key``."""
     top = [f.name for f in fields(SupervisorConfig) if f.name not in ("models", "tls_cert", "tls_key")]
     top += ["tls_cert", "tls_key"]
-    model = RunnerSettings.config_keys() + [f.name for f in fields(ModelConfig) if f.name not in ("name", "runner")]
+    model = RunnerSettings.config_keys() + [
+        f.name for f in fields(ModelConfig) if f.name not in ("name", "runner", "refs")
+    ]
     return top + [f"models.NAME.{key}" for key in model]

@@ -95,8 +95,8 @@ class FrontDoor:
 
     async def acquire(self, scheduler, name: str, timeout: float | None) -> ManagedRunner:
         """The model's runner, serving: at once when it is, else loaded or waited for on the blocking pool."""
-        runner = scheduler.runner(name)
-        if runner.state == State.SERVING:
+        runner = scheduler.runners.get(name)
+        if runner is not None and runner.state == State.SERVING:
             # Nothing to wait for, and nothing here may wait: the loop serves every client. Should the runner
             # go away now, its call fails and the generation sends the request again once it is back.
             runner.last_used = time.monotonic()

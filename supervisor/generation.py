@@ -29,6 +29,7 @@ import grpc
 from common.errors import InvalidRequest
 from common.protocol import runner_pb2
 from common.requests import check_message
+from common.settings import adapter_folders
 from common.status import Code, ServiceError, status_of
 
 from .runners import ManagedRunner, State
@@ -70,6 +71,9 @@ class Generation:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         runners = supervisor.scheduler.runners
         self.model = request.model or (next(iter(runners)) if len(runners) == 1 else "")
+        self.model, adapter = with_adapter(supervisor.config, self.model)
+        if adapter:  # "NAME:ADAPTER": the model, with one of its LoRA adapters
+            request.model, request.adapter = self.model, adapter
         self._cancelled = threading.Event()
         self._active = None  # (runner, RunnerCall) while a runner call streams
         self.tokens = 0  # streamed so far
@@ -99,6 +103,13 @@ class Generation:
 
     def __aiter__(self):
         return self._stream()
+
+    def _sampling_defaults(self) -> None:
+        """The model's sampling defaults (its config's ``sampling`` table) in the fields the client left out."""
+        model = self.sup.config.models.get(self.model)
+        for name in self.request.defaulted if model is not None else ():
+            if name in model.sampling:
+                setattr(self.request, name, model.sampling[name])
 
     def _forwarded(self) -> runner_pb2.GenerateRequest:
         forwarded = runner_pb2.GenerateRequest.FromString(self.request.SerializeToString())
@@ -133,6 +144,7 @@ class Generation:
         layers of them: every layer costs each relayed chunk a step of the loop."""
         code = "OK"
         try:
+            self._sampling_defaults()
             try:
                 check_message(self.request)  # before a model is looked for: a bad request loads nothing
             except InvalidRequest as error:
@@ -265,6 +277,17 @@ async def until(predicate, timeout: float, interval: float = 0.02) -> bool:
     return True
 
 
+def with_adapter(config, name: str) -> tuple[str, str]:
+    """(model, adapter) a request's model names: "NAME:ADAPTER" where ADAPTER is one of the configured model
+    NAME's LoRA adapters (its ``adapters`` setting); the name as it is, with no adapter, otherwise (a hub
+    repository's "org/name:Q4_K_M" among them)."""
+    base, _, adapter = name.rpartition(":")
+    model = config.models.get(base)
+    if model is not None and adapter in adapter_folders(model.runner.adapters):
+        return base, adapter
+    return name, ""
+
+
 def count_tokens(supervisor, request, timeout: float = 120.0) -> int:
     """The prompt's tokens as its generation would lay it out (the runner's CountTokens: chat template and
     tools), loading the model on demand; errors as a generation's (``ServiceError``)."""
@@ -273,7 +296,11 @@ def count_tokens(supervisor, request, timeout: float = 120.0) -> int:
     except InvalidRequest as error:
         raise status_of(error) from None
     runners = supervisor.scheduler.runners
-    model = request.model or (next(iter(runners)) if len(runners) == 1 else "")
+    model, adapter = with_adapter(
+        supervisor.config, request.model or (next(iter(runners)) if len(runners) == 1 else "")
+    )
+    if adapter:
+        request.model, request.adapter = model, adapter
     forwarded = runner_pb2.GenerateRequest.FromString(request.SerializeToString())
     forwarded.DiscardUnknownFields()
     with supervisor.scheduler.acquire(model, timeout=timeout) as runner:

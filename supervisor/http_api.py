@@ -41,13 +41,16 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.errors import InvalidRequest
 from common.protocol import runner_pb2
 from common.requests import MAX_CHOICES, FinishReason
+from common.settings import adapter_folders
 from common.status import Code, ServiceError, status_of
 
+from .generation import with_adapter
 from .http_common import (
     EventStream,
     Number,
@@ -55,6 +58,7 @@ from .http_common import (
     Schema,
     build_request,
     chat_logprobs,
+    left_out,
     log_refusal,
     refuse_not_honoured,
     speculation,
@@ -91,7 +95,12 @@ NOT_HONOURED = {
     "prediction": lambda v: v is not None,
     "audio": lambda v: v is not None,
     "modalities": lambda v: v not in (None, ["text"]),
+    "web_search_options": lambda v: v is not None,
+    "verbosity": lambda v: v not in (None, "medium"),  # GPT-5's answer-length switch: no model here is trained on it
+    "reasoning_effort": lambda v: v not in (None, "none"),  # no model here reasons apart yet (issue #38)
 }
+# Hints, accepted and documented (docs/clients.md): store and metadata (nothing is stored for later listing),
+# prompt_cache_key (the prompt cache finds a shared prefix by itself), safety_identifier, service_tier, user.
 
 
 class ContentPart(Schema):
@@ -288,6 +297,7 @@ class Sampling(Schema):
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "defaulted": left_out(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p),
         }
 
     def grammar_field(self) -> str | None:
@@ -642,6 +652,9 @@ def create_app(supervisor) -> FastAPI:
         log.error("%s %s failed", request.method, request.url.path, exc_info=error)
         return await logged_error_response(error, request)
 
+    def cached_names() -> list[str]:
+        return supervisor.scheduler.cached_names()
+
     def model_object(name: str, anthropic: bool) -> dict:
         """A model as OpenAI lists it, or Anthropic (its clients send ``anthropic-version``), with the limits a
         client may plan by once the model has loaded: its context (also as vLLM's ``max_model_len``) and the
@@ -651,7 +664,9 @@ def create_app(supervisor) -> FastAPI:
         if anthropic:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
             out = {"type": "model", "id": name, "display_name": name, "created_at": stamp}
-        info = supervisor.scheduler.runner(name).info
+        runner = supervisor.scheduler.runners.get(name.rpartition(":")[0] if ":" in name else name)
+        runner = runner or supervisor.scheduler.runners.get(name)  # None: a hub repository in the cache
+        info = runner.info if runner is not None else None
         if info is not None:
             out["context_length"] = out["max_model_len"] = info.target.context_length
             if info.max_output_tokens:
@@ -661,7 +676,13 @@ def create_app(supervisor) -> FastAPI:
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models(request: Request):
         anthropic = "anthropic-version" in request.headers
-        listed = [model_object(name, anthropic) for name in supervisor.scheduler.runners]
+        adapted = [
+            f"{name}:{adapter}"
+            for name, model in supervisor.config.models.items()
+            for adapter in adapter_folders(model.runner.adapters)
+        ]
+        names = [*list(supervisor.scheduler.runners), *adapted, *await run_in_threadpool(cached_names)]
+        listed = [model_object(name, anthropic) for name in names]
         if anthropic:
             ids = [m["id"] for m in listed]
             first, last = (ids[0], ids[-1]) if ids else (None, None)
@@ -670,7 +691,7 @@ def create_app(supervisor) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
     async def model(model_id: str, request: Request):
-        supervisor.scheduler.runner(model_id)  # NOT_FOUND naming the configured models
+        supervisor.scheduler.runner(with_adapter(supervisor.config, model_id)[0])  # NOT_FOUND naming the models
         return model_object(model_id, "anthropic-version" in request.headers)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])

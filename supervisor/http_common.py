@@ -143,10 +143,21 @@ def refuse_not_honoured(extra: dict | None, table: dict, where: str = "") -> Non
             )
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")  # what a model's sampling defaults may fill
+
+
+def left_out(**values) -> list[str]:
+    """The sampling fields a client left out (None), for ``fields["defaulted"]``: the model's sampling defaults
+    fill them where its config has some (``supervisor.generation``), the API's defaults otherwise."""
+    return [name for name, value in values.items() if value is None]
+
+
 def build_request(model: str, fields: dict, messages=(), ignore_eos: bool = False) -> supervisor_pb2.GenerateRequest:
     """The internal request every HTTP API builds (OpenAI's, Anthropic's), once ``check_fields`` has found every
     field in range (so each fits its message field). ``messages``: (role, content, name, tool_call_id,
-    tool_calls) tuples."""
+    tool_calls) tuples. ``fields["defaulted"]``: the sampling fields the client left out (``left_out``)."""
+    fields = dict(fields)
+    defaulted = [name for name in fields.pop("defaulted", ()) if name in SAMPLING_FIELDS]
     check_fields(**fields, messages=messages)
     proto = supervisor_pb2.GenerateRequest(
         model=model, ignore_eos=ignore_eos, request_id=REQUEST_ID.get() or f"http-{secrets.token_hex(6)}"
@@ -160,6 +171,7 @@ def build_request(model: str, fields: dict, messages=(), ignore_eos: bool = Fals
             getattr(proto, key).update(value)
         else:
             setattr(proto, key, value)
+    proto.defaulted.extend(defaulted)
     for role, content, name, call_id, calls in messages:
         message = proto.messages.add(role=role, content=content, name=name, tool_call_id=call_id)
         for call in calls:

@@ -142,8 +142,18 @@ class Estimates:
         self.runtime_overhead: int | None = None  # measured by the last runner that started (Info.runtime_rss)
 
     def footprints(self, model: ModelConfig) -> list[ModelFootprint]:
+        """The target's and the draft's footprints: from their folders, or for a hub reference not resolved yet
+        (``estimate`` before a pull), from the hub cache or the hub itself (supervisor.hub.footprint)."""
         if model.name not in self._footprints:
-            self._footprints[model.name] = [ModelFootprint.of(f) for f in filter(None, (model.target, model.draft))]
+            found = []
+            for key in ("target", "draft"):
+                if key in model.refs:
+                    from . import hub
+
+                    found.append(hub.footprint(model.refs[key]))
+                elif getattr(model, key) is not None:
+                    found.append(ModelFootprint.of(getattr(model, key)))
+            self._footprints[model.name] = found
         return self._footprints[model.name]
 
     def of(self, model: ModelConfig, available: int | None = None) -> tuple[Estimate, str]:
@@ -295,14 +305,14 @@ class MemoryWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             self._count += 1
-            for name, runner in self.runners.items():
+            for name, runner in list(self.runners.items()):  # a model named by a request may be added
                 try:
                     self.check(runner)
                 except Exception as error:  # noqa: BLE001 - one bad sample must not stop the watch
                     log.debug("model %s: memory sample failed: %s", name, error)
 
     def check(self, runner: ManagedRunner) -> None:
-        memory = self.memory[runner.name]
+        memory = self.memory.setdefault(runner.name, RunnerMemory())
         pid = runner.pid
         if not pid or runner.state not in (State.STARTING, State.SERVING):
             return

@@ -36,14 +36,15 @@ import time
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import ConfigDict, StrictBool, StrictInt, StrictStr
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
 from common import __version__
 from common.requests import FinishReason
 from common.status import Code, ServiceError
 
+from . import hub
 from .http_common import EventStream, Number, Schema, build_request, finite, log_refusal, tool_calls
 from .http_errors import http_status
 
@@ -79,7 +80,7 @@ NOT_HONOURED = {
 }
 TAKEN = {"temperature", "top_k", "top_p", "min_p", "seed", "num_predict", "stop", "num_ctx"}
 TAKEN |= {"repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n"}
-NOT_HERE = ("pull", "push", "create", "copy", "delete", "embed", "embeddings", "blobs")
+NOT_HERE = ("push", "create", "copy", "embed", "embeddings", "blobs")
 
 
 def ollama_error(error: ServiceError) -> tuple[int, dict]:
@@ -202,6 +203,7 @@ class OllamaRequest(Schema):
             "frequency_penalty": options.get("frequency_penalty", 0.0),
             "max_context": max(options.get("num_ctx") or 0, 0),
             "grammar": self.grammar(),
+            "defaulted": [name for name in ("temperature", "top_p", "top_k", "min_p") if name not in options],
         }
 
     def grammar(self) -> str:
@@ -261,6 +263,30 @@ class GenerateRequest(OllamaRequest):
         messages = [("system", self.system, "", "", ())] if self.system else []
         messages.append(("user", self.prompt, "", "", ()))
         return build_request(self.model, fields, messages)
+
+
+class PullRequest(Schema):
+    """Ollama's pull and delete: the model (``name`` in older clients)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: StrictStr | None = None
+    name_: StrictStr | None = Field(default=None, alias="name")
+    stream: StrictBool = True
+    insecure: StrictBool = False
+
+    def name(self) -> str:
+        name = self.model or self.name_
+        if not name:
+            raise bad("model: required", "model")
+        return name
+
+
+def pull_record(progress) -> dict:
+    """A pull step as Ollama's progress record."""
+    record = {"status": progress.status}
+    if progress.total:
+        record.update(digest=progress.digest, total=progress.total, completed=progress.completed)
+    return record
 
 
 # -- answers ---------------------------------------------------------------------------------------------------
@@ -355,14 +381,69 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
     async def version():
         return {"version": OLLAMA_VERSION, "mlxserve": __version__}
 
+    def cached_entry(model) -> dict:
+        """A hub repository in the hub cache that a request may name (not loaded yet)."""
+        stamp = datetime.datetime.fromtimestamp(model.modified, datetime.UTC).isoformat()
+        gguf = str(model.path).endswith(".gguf")
+        return {
+            "name": model.ref,
+            "model": model.ref,
+            "modified_at": stamp,
+            "size": model.size,
+            "digest": "",
+            "details": {"parent_model": "", "format": "gguf" if gguf else "safetensors", "families": []},
+        }
+
     @app.get("/api/tags", dependencies=[Depends(authorized)])
     async def tags():
-        return {"models": [entry(name) for name in supervisor.scheduler.runners]}
+        listed = [entry(name) for name in list(supervisor.scheduler.runners)]
+        if supervisor.config.pull != "never":
+            cached = await run_in_threadpool(hub.cached_models)
+            listed += [cached_entry(m) for m in cached if m.ref not in supervisor.scheduler.runners]
+        return {"models": listed}
+
+    @app.post("/api/pull", dependencies=[Depends(authorized)])
+    async def pull(body: PullRequest, request: Request):
+        """Ollama's pull, of a hub repository (``pull = "any"``): NDJSON progress records (status, digest,
+        total, completed) as the ollama client and Open WebUI read them, or one record with stream false."""
+        job = supervisor.scheduler.api_pull(body.name())
+        if not body.stream:
+            async for _ in hub.follow(job):
+                pass
+            return {"status": "success"}
+        progress = hub.follow(job)
+        first = await anext(progress)  # an error before any record is the HTTP status
+
+        async def lines():
+            record = first
+            try:
+                while record is not None:
+                    yield json.dumps(pull_record(record)) + "\n"
+                    record = await anext(progress, None)
+            except ServiceError as error:
+                status, shaped = ollama_error(error)
+                await log_refusal(request, status, f"(in the stream) {error.message}")
+                yield json.dumps(shaped) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.delete("/api/delete", dependencies=[Depends(authorized)])
+    async def delete(body: PullRequest):
+        """Remove a hub repository from the hub cache (unloading it first); configured models stay."""
+        name = body.name()
+        if name in supervisor.config.models:
+            raise bad(f"model: {name} is configured (docs/configuration.md), not pulled: remove it from the config")
+        ref = hub.parse_ref(name)
+        if ref is None:
+            raise ServiceError(Code.NOT_FOUND, f"model {name!r} not found", "model")
+        await run_in_threadpool(supervisor.scheduler.forget, name)
+        await run_in_threadpool(hub.delete, ref)
+        return JSONResponse({})
 
     @app.get("/api/ps", dependencies=[Depends(authorized)])
     async def ps():
         models = []
-        for name, runner in supervisor.scheduler.runners.items():
+        for name, runner in list(supervisor.scheduler.runners.items()):
             if runner.pid and runner.info is not None:
                 keep = runner.model.keep_alive if runner.keep_alive is None else runner.keep_alive
                 until = (

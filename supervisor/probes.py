@@ -81,6 +81,10 @@ class Metrics:
         self.active_requests = Gauge(
             "mlxserve_active_requests", "Requests the runner is prefilling or decoding", ["model"], registry=r
         )
+        self.pull_completed = Gauge(
+            "mlxserve_pull_completed_bytes", "Bytes fetched so far by a pull in flight", ["model"], registry=r
+        )
+        self.pull_total = Gauge("mlxserve_pull_total_bytes", "Bytes a pull in flight fetches", ["model"], registry=r)
         self.queued_requests = Gauge(
             "mlxserve_queued_requests", "Requests waiting in the runner", ["model"], registry=r
         )

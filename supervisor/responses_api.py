@@ -40,6 +40,7 @@ from .http_common import (
     Schema,
     build_request,
     chat_logprobs,
+    left_out,
     log_refusal,
     refuse_not_honoured,
     speculation,
@@ -54,6 +55,7 @@ NOT_HONOURED = {
     "conversation": lambda v: v is not None,
     "prompt": lambda v: v is not None,
     "truncation": lambda v: v not in (None, "disabled"),
+    "max_tool_calls": lambda v: v is not None,
     # No reasoning here (yet): asking for none, or for none of it summarised, asks for nothing.
     "reasoning": lambda v: (
         isinstance(v, dict) and (v.get("effort") not in (None, "none") or v.get("summary") not in (None, "none"))
@@ -198,6 +200,8 @@ class ResponsesRequest(Schema):
         }
 
     def grammar(self) -> str:
+        if (self.text or {}).get("verbosity") not in (None, "medium"):
+            raise bad("text.verbosity: not supported by this server (no model here is trained for it)", "text")
         form = (self.text or {}).get("format")
         if form is not None and not isinstance(form, dict):
             raise bad('text.format: must be an object such as {"type": "json_schema", "schema": {...}}', "text")
@@ -225,6 +229,7 @@ class ResponsesRequest(Schema):
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "grammar": self.grammar(),
+            "defaulted": left_out(temperature=self.temperature, top_p=self.top_p),
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs or 0,
             **self.tool_fields(),

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import collections
 import enum
+import hashlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,12 +77,21 @@ def runner_environment(config) -> dict[str, str]:
     return env
 
 
+def socket_name(name: str) -> str:
+    """A file name for a model's socket: a configured name as it is; a hub repository's (``org/name@rev``) with
+    what a file name cannot hold replaced, and a digest where that could make two names one or too long a path."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    if safe == name and len(name) <= 64:
+        return name
+    return f"{safe[:40]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+
+
 class ManagedRunner:
     def __init__(self, model: ModelConfig, config: SupervisorConfig, on_change=lambda runner: None):
         self.model = model
         self.name = model.name
         self.config = config
-        self.socket = config.runtime_dir / f"{model.name}.sock"
+        self.socket = config.runtime_dir / f"{socket_name(model.name)}.sock"
         self.address = f"unix://{self.socket}"
         self._on_change = on_change
         self._cond = threading.Condition()

@@ -12,16 +12,22 @@ import contextlib
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import grpc
 
+from common.settings import RunnerSettings
 from common.status import ServiceError
 
-from .config import SupervisorConfig
+from . import hub
+from .config import ModelConfig, SupervisorConfig
+from .gguf_cache import imported_folder
+from .hub import parse_ref
 from .memory import AdmissionRefused, Estimates, admit, batch_memory_budget, free_memory, prompt_cache_budget
 from .runners import ManagedRunner, State
 
 log = logging.getLogger("supervisor")
+PULLED_KEEP_ALIVE = 300.0  # seconds idle before a model served by name (not configured) is unloaded
 
 
 class Scheduler:
@@ -34,7 +40,11 @@ class Scheduler:
                 self.estimates.measured_runtime(runner.info.runtime_rss)
             on_change(runner)
 
+        self._changed = changed
+        # Configured models, then models a request named by hub repository (``runner``); read with list(...)
+        # by other threads, since one may be added while they look.
         self.runners = {name: ManagedRunner(model, config, changed) for name, model in config.models.items()}
+        self.pulls = hub.Pulls()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._expire_idle, name="keep-alive", daemon=True)
@@ -47,16 +57,104 @@ class Scheduler:
         self._reaper.start()
 
     def runner(self, name: str) -> ManagedRunner:
-        if name not in self.runners:
+        """A configured model's runner, or one already adopted by name; a model in the hub cache that ``pull``
+        lets a request name is adopted here (nothing fetched: ``acquire_runner`` pulls)."""
+        found = self.runners.get(name)
+        if found is not None:
+            return found
+        ref = parse_ref(name) if self.config.pull != "never" else None
+        if ref is None:
+            raise self._unknown(name)
+        try:
+            path = hub.cached(ref)
+        except hub.HubError:
+            raise self._unknown(name) from None
+        return self._adopt(name, path)
+
+    def _unknown(self, name: str) -> ServiceError:
+        configured = ", ".join(sorted(self.config.models))
+        also = {
+            "never": "",
+            "cached": "; or a hub repository in the hub cache (pull it first: python -m supervisor pull REPO)",
+            "any": "; or a hub repository (org/name), pulled on first use",
+        }[self.config.pull]
+        return ServiceError(
+            grpc.StatusCode.NOT_FOUND, f"no model named {name!r}; configured: {configured}{also}", "model"
+        )
+
+    def _adopt(self, name: str, path) -> ManagedRunner:
+        """A runner for a hub repository named by a request, with the default settings, the memory policy,
+        LRU and a keep-alive of ``PULLED_KEEP_ALIVE`` (as Ollama keeps a model it loaded on request)."""
+        with self._lock:
+            found = self.runners.get(name)
+            if found is not None:
+                return found
+            settings = RunnerSettings(target=path, name=name)
+            model = ModelConfig(name, settings, keep_alive=PULLED_KEEP_ALIVE, load_at_start=False)
+            runner = ManagedRunner(model, self.config, self._changed)
+            self.runners[name] = runner
+        log.info("model %s: served by name from the hub cache (%s)", name, path)
+        return runner
+
+    def forget(self, name: str) -> None:
+        """Stop and drop a model a request named by hub repository (its files are being deleted)."""
+        if name in self.config.models or name not in self.runners:
+            return
+        self.unload(name, "deleted from the hub cache")
+        with self._lock:
+            self.runners.pop(name, None)
+
+    def cached_names(self) -> list[str]:
+        """Hub repositories in the hub cache a request may name (and has not yet), unless ``pull`` is never."""
+        if self.config.pull == "never":
+            return []
+        served = {ref.repo for ref in map(parse_ref, list(self.runners)) if ref is not None}
+        return [model.ref for model in hub.cached_models() if parse_ref(model.ref).repo not in served]
+
+    def api_pull(self, name: str) -> hub.PullJob:
+        """A pull asked over an API (Ollama's /api/pull, gRPC Pull): allowed under ``pull = "any"``."""
+        if self.config.pull != "any":
             raise ServiceError(
-                grpc.StatusCode.NOT_FOUND,
-                f"no model named {name!r}; configured: {', '.join(sorted(self.runners))}",
+                grpc.StatusCode.PERMISSION_DENIED,
+                f'pulls over the API are off (pull = "{self.config.pull}" in the config): set pull = "any", or '
+                "pull on the server's machine with python -m supervisor pull REPO",
                 "model",
             )
-        return self.runners[name]
+        ref = parse_ref(name)
+        if ref is None:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model: {name!r} is not a hub repository (org/name, org/name@revision, org/name:QUANT or "
+                "org/name/file.gguf)",
+                "model",
+            )
+        return self.pulls.start(ref)
+
+    def pull_for_request(self, name: str) -> None:
+        """Under ``pull = "any"``: fetch a repository a request names, waiting for it (the pull's progress is in
+        the log, the metrics and ``top``); a second request for it waits for the same pull."""
+        ref = parse_ref(name) if self.config.pull == "any" else None
+        if ref is None or name in self.runners:
+            return
+        try:
+            hub.cached(ref)
+            return
+        except hub.HubError:
+            pass
+        job = self.pulls.start(ref)
+        job.done.wait()
+        if job.error is not None:
+            raise (
+                job.error
+                if isinstance(job.error, ServiceError)
+                else ServiceError(grpc.StatusCode.UNAVAILABLE, f"pull {name}: {job.error}", "model")
+            )
 
     def load(self, name: str, wait: bool = True, timeout: float | None = None) -> ManagedRunner:
         runner = self.runner(name)
+        if runner.model.target.suffix.lower() == ".gguf":  # a GGUF file named by a request: imported once, here
+            folder = imported_folder(runner.model.target, self.config.gguf_cache_dir)
+            runner.model = replace(runner.model, runner=replace(runner.model.runner, target=folder))
         with self._lock:
             if not runner.active:
                 self._make_room(runner)
@@ -85,7 +183,7 @@ class Scheduler:
         raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"model {runner.name} is {runner.state.value}: {runner.reason}")
 
     def _make_room(self, incoming: ManagedRunner) -> None:
-        alive = [r for r in self.runners.values() if r.active and r is not incoming]
+        alive = [r for r in list(self.runners.values()) if r.active and r is not incoming]
         if len(alive) < self.config.loaded_cap:
             return
         idle = sorted((r for r in alive if r.in_flight == 0 and r.state == State.SERVING), key=lambda r: r.last_used)
@@ -106,6 +204,7 @@ class Scheduler:
     def acquire_runner(self, name: str, timeout: float | None) -> ManagedRunner:
         """The model's runner once it serves: started if stopped, waited for while it starts or restarts (the
         front door calls it on a thread of its blocking pool)."""
+        self.pull_for_request(name)
         runner = self.runner(name)
         if runner.state == State.FAILED:
             self._raise_for(runner)
@@ -120,7 +219,7 @@ class Scheduler:
     def _expire_idle(self) -> None:
         while not self._stop.wait(0.5):
             now = time.monotonic()
-            for runner in self.runners.values():
+            for runner in list(self.runners.values()):
                 # A request may set its own (Ollama's keep_alive; math.inf: never); else the model's setting.
                 keep_alive = runner.model.keep_alive if runner.keep_alive is None else runner.keep_alive
                 if (

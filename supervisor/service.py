@@ -8,6 +8,7 @@ scheduler) runs on threads.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -23,7 +24,8 @@ from common import __version__
 from common.defaults import CHANNEL_OPTIONS
 from common.status import AsyncStatusInterceptor
 
-from .config import SupervisorConfig, resolve_gguf
+from . import hub
+from .config import SupervisorConfig, resolve_gguf, resolve_hub
 from .front_door import FrontDoor
 from .generation import Generation, count_tokens
 from .memory import MemoryWatch, RunnerMemory
@@ -58,7 +60,7 @@ class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
 
     async def ListModels(self, request, context):
         return supervisor_pb2.ListModelsResponse(
-            models=[self.sup.status(r) for r in self.sup.scheduler.runners.values()]
+            models=[self.sup.status(r) for r in list(self.sup.scheduler.runners.values())]
         )
 
     async def LoadModel(self, request, context):
@@ -91,9 +93,30 @@ class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
             pid=os.getpid(),
             uptime_s=time.monotonic() - sup.started,
             ready=sup.scheduler.ready,
-            models=[sup.status(r) for r in sup.scheduler.runners.values()],
+            models=[sup.status(r) for r in list(sup.scheduler.runners.values())],
             max_loaded=sup.config.loaded_cap,
+            pulls=[pull_status(job) for job in sup.scheduler.pulls.in_flight()],
+            cached=await sup.front.blocking_call(sup.scheduler.cached_names),
         )
+
+    async def Pull(self, request, context):
+        job = self.sup.scheduler.api_pull(request.model)
+        async for progress in hub.follow(job):
+            yield supervisor_pb2.PullProgress(
+                status=progress.status,
+                file=progress.file,
+                digest=progress.digest,
+                total=progress.total,
+                completed=progress.completed,
+            )
+
+
+def pull_status(job: hub.PullJob) -> supervisor_pb2.PullStatus:
+    steps = list(job.latest.values())
+    completed, total = job.bytes
+    return supervisor_pb2.PullStatus(
+        model=str(job.ref), total=total, completed=completed, status=steps[-1].status if steps else "starting"
+    )
 
 
 class BearerToken(grpc.aio.ServerInterceptor):
@@ -113,13 +136,14 @@ class BearerToken(grpc.aio.ServerInterceptor):
             return await continuation(details)
         if dict(details.invocation_metadata).get("authorization") == self.expected:
             return await continuation(details)
-        return self._deny_stream if details.method.endswith("/Generate") else self._deny
+        return self._deny_stream if details.method.endswith(("/Generate", "/Pull")) else self._deny
 
 
 class Supervisor:
     def __init__(self, config: SupervisorConfig):
-        """Raises ConfigError when a .gguf file in the config cannot be imported (``resolve_gguf``)."""
-        self.config = config = resolve_gguf(config)
+        """Raises ConfigError when a hub reference cannot be served (``resolve_hub``: found in the hub cache, or
+        pulled) or a .gguf file cannot be imported (``resolve_gguf``)."""
+        self.config = config = resolve_gguf(resolve_hub(config))
         self.started = time.monotonic()
         self.started_at = time.time()
         self.shutting_down = threading.Event()
@@ -130,6 +154,7 @@ class Supervisor:
         self.health = health.HealthServicer()
         prepare_runtime_dir(config.runtime_dir)
         self.scheduler = Scheduler(config, on_change=self._on_runner_change)
+        self.scheduler.pulls.watch = self._on_pull
         self.memory = MemoryWatch(self.scheduler.runners, config.memory_period, on_sample=self._on_memory)
         interceptors = ([BearerToken(config.auth_token)] if config.auth_token else []) + [AsyncStatusInterceptor()]
         # Streams in flight: every model's batch and queue, and room for the rest. None holds a thread; the
@@ -219,6 +244,18 @@ class Supervisor:
             for name in ("", SERVICE_NAME):
                 self.health.set(name, overall)
 
+    def _on_pull(self, job: hub.PullJob) -> None:
+        """A pull's bytes in the metrics while it runs; gone once it ends."""
+        name = str(job.ref)
+        if job.done.is_set():
+            for gauge in (self.metrics.pull_completed, self.metrics.pull_total):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(name)
+            return
+        completed, total = job.bytes
+        self.metrics.pull_completed.labels(name).set(completed)
+        self.metrics.pull_total.labels(name).set(total)
+
     def _on_memory(self, name: str, memory: RunnerMemory) -> None:
         m, s = self.metrics, memory.current
         m.rss.labels(name).set(s.rss)
@@ -238,7 +275,7 @@ class Supervisor:
             m.prompt_cache_evictions.labels(name).set(cache.evictions)
 
     def _readiness(self) -> tuple[bool, str]:
-        states = ", ".join(f"{r.name}={r.state.value}" for r in self.scheduler.runners.values())
+        states = ", ".join(f"{r.name}={r.state.value}" for r in list(self.scheduler.runners.values()))
         return self.scheduler.ready, ("ready: " if self.scheduler.ready else "not ready: ") + states
 
     def _estimate(self, runner: ManagedRunner) -> int:
@@ -248,7 +285,7 @@ class Supervisor:
             return 0
 
     def status(self, runner: ManagedRunner) -> supervisor_pb2.ModelStatus:
-        memory = self.memory.memory[runner.name]
+        memory = self.memory.memory.get(runner.name) or RunnerMemory()
         current = memory.current
         sample = supervisor_pb2.MemorySample(
             peak_rss=memory.peak_rss,

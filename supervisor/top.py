@@ -83,6 +83,10 @@ def frame(status, previous=None, elapsed: float = 0.0) -> str:
             rate = max(0, model.generated_tokens - before[model.name]) / elapsed
         cells = row(model, rate)
         lines.append(" ".join(cell.ljust(width) for cell, (_, width) in zip(cells, COLUMNS)).rstrip())
+    for pull in status.pulls:  # hub repositories being fetched
+        share = f"{100 * pull.completed / pull.total:.0f}%" if pull.total else "starting"
+        mib = f"{pull.completed / 2**20:.0f} of {pull.total / 2**20:.0f} MiB"
+        lines.append(f"pulling {pull.model}: {share}, {mib} ({pull.status})")
     return "\n".join(lines)
 
 

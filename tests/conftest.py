@@ -19,7 +19,8 @@ def engine() -> Engine:
 def chat_supervisor(tmp_path_factory):
     """One supervisor for the client API tests (OpenAI's, Anthropic's, Ollama's): SmolLM2 ("smol", the
     chat model), the default pair ("pair", no chat template, speculates; a client may let 128 rounds wait, so a
-    client that stops reading is cut off within seconds) and a model with no queue ("busy")."""
+    client that stops reading is cut off within seconds), a model with no queue ("busy") and SmolLM2 with greedy
+    sampling defaults, loaded on first use ("claude")."""
     from common.defaults import SMOLLM2_DIR
     from tests.helpers import CHAT_TOKEN
     from tests.processes import SupervisorProcess, free_port, model_toml
@@ -28,6 +29,9 @@ def chat_supervisor(tmp_path_factory):
         model_toml("smol", target=SMOLLM2_DIR, draft=None)
         + model_toml("pair", max_pending_rounds=128)
         + model_toml("busy", max_queue=0, max_batch=1)
+        # SmolLM2 greedy unless a request says otherwise, loaded on first use (Claude Code sends no temperature)
+        + model_toml("claude", target=SMOLLM2_DIR, draft=None, load_at_start=False)
+        + "sampling = {temperature = 0}\n"
     )
     # With the cyclic collector off, a stream whose runner call were released only when collected stays held.
     sup = SupervisorProcess(

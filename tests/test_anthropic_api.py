@@ -1,6 +1,7 @@
 """Anthropic's Messages API through the real supervisor, with the official ``anthropic`` client: SmolLM2 answers
 text, stop sequences and tool calls (the generic layout), streamed and not; count_tokens is exact; errors come
 in Anthropic's shape with its statuses. The same internal request as OpenAI's chat, so the same greedy answer.
+What Claude Code sends is served (its turn with Claude Code itself: tests/test_clients.py).
 """
 
 from __future__ import annotations
@@ -188,3 +189,24 @@ def test_a_full_queue_is_anthropics_overloaded_error():
         "type": "error",
         "error": {"type": "overloaded_error", "message": "1 request already waiting"},
     }
+
+
+def test_what_claude_code_sends_is_served(claude):
+    """Adaptive thinking (the model decides: one that does not reason answers without thinking), a system
+    message inside messages where it stands, context_management clearing earlier thinking, hints; the answer
+    is SmolLM2's greedy one for the same conversation."""
+    conversation = [*ASK, {"role": "system", "content": "Answer in one word."}]
+    fields = {
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+        "metadata": {"user_id": '{"session_id": "x"}'},
+    }
+    message = create(claude, messages=conversation, extra_body={**GREEDY["extra_body"], **fields})
+    assert message.stop_reason in ("end_turn", "max_tokens") and message.content[0].type == "text"
+    assert create(claude, messages=conversation).content[0].text == message.content[0].text
+    counted = claude.messages.count_tokens(model="smol", messages=conversation).input_tokens
+    assert counted == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+    with pytest.raises(anthropic.BadRequestError) as caught:  # clearing old tool results would change the prompt
+        create(claude, extra_body={"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}})
+    assert "context_management" in caught.value.body["error"]["message"]

@@ -190,7 +190,9 @@ def test_a_repeated_conversation_comes_from_the_prompt_cache(sup, client):
 
 
 def test_models_list_and_retrieve(client):
-    assert {m.id for m in client.models.list()} == {"smol", "pair", "busy"}
+    listed = {m.id: m for m in client.models.list()}
+    assert set(listed) == {"smol", "pair", "busy", "claude"}
+    assert listed["smol"].context_length == listed["smol"].max_model_len == 8192  # what a client may plan by
     assert client.models.retrieve("smol").id == "smol"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
@@ -575,3 +577,45 @@ def test_the_json_log_is_one_record_a_line_with_the_model_and_pid(sup):
     served = [e for e in entries if e["process"] == "runner" and e["model"] == "smol" and e["pid"] == smol_pid]
     assert any(e["message"].startswith("serving smol after") for e in served)
     assert any(e["process"] == "supervisor" and "listening on" in e["message"] for e in entries)
+
+
+def test_a_refused_request_leaves_a_line_saying_who_and_why(sup):
+    """Which API, the model, the request's id (the x-request-id its client got), the status and the reason; the
+    gRPC API's too. And no tokenizer warning about "indexing errors" for a prompt that was only counted."""
+    refused = raw_post(sup, "chat/completions", json.dumps({"model": "smol", "messages": CAPITAL, "n": 0}).encode())
+    request_id = refused.headers["x-request-id"]
+    assert refused.status_code == 400 and request_id.startswith("http-")
+    with pytest.raises(grpc.RpcError):
+        list(sup.client.generate(timeout=60, model="smol", prompt="hi", max_tokens=0, request_id="grpc-refused-1"))
+    sup.anthropic().messages.count_tokens(model="smol", messages=[{"role": "user", "content": "word " * 9000}])
+
+    def lines() -> list[str]:
+        return [json.loads(line)["message"] for line in sup.stderr.splitlines() if line.strip()]
+
+    wanted = f"refused POST /v1/chat/completions (OpenAI API, model 'smol', request {request_id}): 400 n: must lie"
+    assert wait_until(lambda: any(line.startswith(wanted) for line in lines()), 10), lines()[-5:]
+    grpc_line = "refused gRPC /mlxserve.v1.Supervisor/Generate (model 'smol', request grpc-refused-1): INVALID_ARGUMENT"
+    assert any(line.startswith(grpc_line) for line in lines()), lines()[-5:]
+    assert not any("indexing errors" in line for line in lines())
+
+
+def test_the_fields_todays_clients_send_are_taken_or_refused_naming_them(client):
+    """Hints are taken and change nothing (nothing is stored for later listing; the prompt cache finds a prefix
+    by itself); what asks for a behaviour no model here has is a 400 naming the field."""
+    hints = {
+        "store": True,
+        "metadata": {"app": "test"},
+        "prompt_cache_key": "session-1",
+        "safety_identifier": "user-1",
+        "service_tier": "auto",
+        "verbosity": "medium",
+        "reasoning_effort": "none",
+    }
+    answer = client.chat.completions.create(
+        model="smol", messages=CAPITAL, max_tokens=4, temperature=0, extra_body=hints
+    )
+    assert answer.choices[0].message.content is not None
+    for field, value in (("verbosity", "low"), ("reasoning_effort", "high"), ("web_search_options", {})):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="smol", messages=CAPITAL, max_tokens=4, extra_body={field: value})
+        assert caught.value.body["param"] == field

@@ -137,3 +137,23 @@ def test_concurrent_requests_batch_with_the_tokens_each_gets_alone(gemma3_runner
     for prompt in prompts:
         assert together[prompt][0] == alone[prompt], prompt
     assert sum(stats.depths.get(0, 0) for _, stats, _ in together.values()) > 0  # some steps were batched
+
+
+def test_a_conversations_next_turn_reuses_the_prompt_past_the_window(gemma3, tmp_path):
+    """A sliding window's cache cannot be trimmed back, so a request's final entry serves only a prompt that
+    repeats all of it, answer included. The next turn repeats the prompt, then the answer as the template lays it
+    out (not always the tokens decoded): the prompt's own entry, kept once it is in, serves it."""
+    runner = RunnerProcess(tmp_path / "sockets", target=gemma3, draft=None, name="gemma3-turns").wait_serving(240)
+    try:
+        first = [{"role": "user", "content": LONG_PROMPT + "\n" + LONG_PROMPT}]  # ~840 tokens
+        chunks = list(runner.client.generate(timeout=300, messages=first, max_tokens=8))
+        answer = "".join(c.text for c in chunks)
+        assert chunks[0].prompt_tokens > WINDOW
+        second = first + [
+            {"role": "assistant", "content": "(written back otherwise) " + answer},
+            {"role": "user", "content": "22."},
+        ]
+        last = list(runner.client.generate(timeout=300, messages=second, max_tokens=4))[-1]
+        assert last.stats.cached_tokens >= chunks[0].prompt_tokens - 1, last.stats
+    finally:
+        assert runner.stop() == 0

@@ -114,7 +114,7 @@ def test_a_body_sent_as_curl_sends_it_is_read_as_json(chat_supervisor):
 
 def test_listings_and_version(client, chat_supervisor):
     names = [m.model for m in client.list().models]
-    assert set(names) == {"smol", "pair", "busy"}
+    assert set(names) == {"smol", "pair", "busy", "claude"}
     shown = client.show("smol")
     assert shown.modelinfo["general.architecture"] == "llama" and "completion" in shown.capabilities
     assert {m.model for m in client.ps().models} >= {"smol", "pair"}
@@ -137,6 +137,7 @@ def test_keep_alive_zero_unloads_and_an_empty_request_loads(client):
         (lambda c: c.chat(model="smol", messages=ASK, options={"num_ctx": 8}), 400, "context size (8 tokens)"),
         (lambda c: c.chat(model="smol", messages=ASK, think=True), 400, "think"),
         (lambda c: c.pull("smol"), 501, "not supported here"),
+        (lambda c: c.embed(model="smol", input="hi"), 501, "does not serve embedding models yet"),
     ],
 )
 def test_errors_come_in_ollamas_shape(client, call, status, words):
@@ -172,3 +173,17 @@ def test_keep_alive_durations_as_ollama_writes_them():
     for wrong in ("soon", "5 minutes", True, float("nan")):
         with pytest.raises(ServiceError, match="keep_alive"):
             keep_alive_seconds(wrong)
+
+
+def test_generate_gives_its_context_and_takes_it_back(client):
+    """``context``: the prompt's and the answer's tokens, as Ollama gives them; sent back, the next prompt goes on
+    from them: the new turn is laid out after the context, as Ollama's /api/generate does."""
+    first = client.generate(model="smol", prompt="My name is Ada.", options=GREEDY)
+    assert len(first.context) > first.eval_count + 5
+    streamed = list(client.generate(model="smol", prompt="My name is Ada.", options=GREEDY, stream=True))
+    assert streamed[-1].done and streamed[-1].context == first.context
+    second = client.generate(model="smol", prompt="What is my name?", context=first.context, options=GREEDY)
+    alone = client.generate(model="smol", prompt="What is my name?", options=GREEDY)
+    assert second.context[: len(first.context)] == first.context
+    prompt = len(second.context) - second.eval_count  # the context, then the new turn as it is laid out alone
+    assert prompt == len(first.context) + len(alone.context) - alone.eval_count

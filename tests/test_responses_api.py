@@ -130,6 +130,9 @@ def test_text_format_holds_the_output_to_a_schema(chat_client):
     [
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"include": ["file_search_call.results"]}, "include"),
+        ({"text": {"format": "json"}}, "text"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
         ({"previous_response_id": "resp_nope"}, None),
     ],
@@ -138,3 +141,40 @@ def test_bad_requests_are_refused_in_openais_shape(chat_client, fields, param):
     with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as caught:
         create(chat_client, **{"input": "Hi", **fields})
     assert caught.value.body["param"] == param
+
+
+def test_logprobs_come_when_included(chat_client):
+    whole = create(chat_client, input="Hi", include=["message.output_text.logprobs"], top_logprobs=2)
+    part = whole.output[0].content[0]
+    assert part.logprobs and "".join(entry.token for entry in part.logprobs) == part.text
+    assert all(entry.logprob <= 0 and len(entry.top_logprobs) == 2 for entry in part.logprobs)
+    with chat_client.responses.stream(
+        model="smol", input="Hi", temperature=0, max_output_tokens=30, include=["message.output_text.logprobs"]
+    ) as stream:
+        deltas = [event for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert [entry.token for event in deltas for entry in event.logprobs] == [e.token for e in part.logprobs]
+    assert final.output[0].content[0].logprobs
+
+
+def test_reasoning_effort_none_is_no_reasoning_and_cancel_says_why(chat_client):
+    response = create(chat_client, input="Hi", reasoning={"effort": "none"})
+    assert response.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as caught:  # not run in the background: nothing to cancel
+        chat_client.responses.cancel(response.id)
+    assert "background" in caught.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        chat_client.responses.cancel("resp_nope")
+
+
+def test_a_call_cut_short_is_an_incomplete_item_and_continues(chat_client):
+    fields = {"input": "What is the weather in Paris?", "tools": TOOLS, "tool_choice": "required"}
+    cut = create(chat_client, max_output_tokens=17, **fields)
+    assert cut.status == "incomplete" and cut.output[-1].type == "function_call"
+    assert cut.output[-1].status == "incomplete" and not cut.output[-1].arguments.endswith("}")
+    with chat_client.responses.stream(model="smol", temperature=0, max_output_tokens=17, **fields) as stream:
+        done = [event.item for event in stream if event.type == "response.output_item.done"]
+    assert done[-1].status == "incomplete" and done[-1].arguments == cut.output[-1].arguments
+    result = {"type": "function_call_output", "call_id": cut.output[-1].call_id, "output": "Error: cut short"}
+    again = create(chat_client, previous_response_id=cut.id, input=[result])  # the history holds the cut call
+    assert again.status in ("completed", "incomplete")

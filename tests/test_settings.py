@@ -26,6 +26,7 @@ EVERY_SETTING_CHANGED = RunnerSettings(
     dtype="float32",
     max_context=4096,
     max_output_tokens=512,
+    adapters="terse=/tmp/terse,loud=/tmp/loud",
     prompt_cache=2**30,
     prompt_cache_dir=Path("/tmp/prompts"),
     prompt_cache_disk=2**31,
@@ -95,6 +96,8 @@ def test_a_config_table_gives_the_same_settings_and_keeps_other_keys():
         ({"stall_after": "soon"}, "stall_after", "is not a duration"),
         ({"max_context": 1}, "max_context", "at least 2"),
         ({"max_output_tokens": -1}, "max_output_tokens", ">= 0"),
+        ({"adapters": {"a b": "/tmp/x"}}, "adapters", "an adapter's name"),
+        ({"adapters": {"a": 3}}, "adapters.a", "expected an adapter folder"),
         ({"release_enabled": "yes"}, "release_enabled", "expected bool"),
     ],
 )

@@ -214,3 +214,34 @@ def test_fifty_schemas_sampled_at_temperature_one_all_validate_and_end(chat_clie
     for i, choice in enumerate(choices):
         assert choice.finish_reason == "stop", (i, choice.message.content)
         jsonschema.validate(json.loads(choice.message.content), schemas[i])
+
+
+def test_a_hundred_sampled_numbers_all_end_within_what_a_float_holds(chat_client):
+    """The issue's case: a number between 0 and 10, sampled at temperature 1 (seed 5 once ran to max_tokens
+    inside its digits, "2.46288874348788888888..."). With room to finish, all 100 answers parse and validate, and
+    no number has more digits than a float64 holds."""
+    schema = {
+        "type": "object",
+        "properties": {"score": {"type": "number", "minimum": 0, "maximum": 10}},
+        "required": ["score"],
+        "additionalProperties": False,
+    }
+
+    def ask(seed: int):
+        return chat_client.chat.completions.create(
+            model="smol",
+            messages=[{"role": "user", "content": "Rate this movie from 0 to 10: 'The Matrix'."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "rating", "schema": schema}},
+            temperature=1.0,
+            seed=seed,
+            max_tokens=64,
+        ).choices[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        choices = list(pool.map(ask, range(100)))
+    for seed, choice in enumerate(choices):
+        assert choice.finish_reason == "stop", (seed, choice.message.content)
+        answer = json.loads(choice.message.content)
+        jsonschema.validate(answer, schema)
+        digits = re.search(r'"score":-?([0-9.]+)', choice.message.content).group(1).replace(".", "").lstrip("0")
+        assert len(digits) <= 17, (seed, choice.message.content)

@@ -149,9 +149,13 @@ def test_public_generate_request_shares_the_runner_fields():
     def fields(descriptor, skip=()):
         return {(f.name, f.number, f.type, f.has_presence) for f in descriptor.fields if f.name not in skip}
 
-    assert fields(supervisor_pb2.GenerateRequest.DESCRIPTOR, skip=("model",)) == fields(
+    # model and defaulted are the supervisor's own (which runner, and which sampling defaults it fills in)
+    assert fields(supervisor_pb2.GenerateRequest.DESCRIPTOR, skip=("model", "defaulted")) == fields(
         runner_pb2.GenerateRequest.DESCRIPTOR
     )
+    assert supervisor_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["defaulted"].number not in {
+        f.number for f in runner_pb2.GenerateRequest.DESCRIPTOR.fields
+    }
 
 
 SMOLLM2_GGUF = REPO / ".whl" / "SmolLM2-135M-Instruct.Q4_1.gguf"  # from make real-model

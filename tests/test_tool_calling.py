@@ -208,3 +208,23 @@ def test_a_required_call_cut_at_its_first_token_leaks_no_layout_json(chat_client
     assert answer.finish_reason == "length" and not answer.message.content and not answer.message.tool_calls
     text, calls, reasons, _ = streamed(chat_client, tool_choice="required", max_completion_tokens=1)
     assert text is None and calls == [] and reasons[-1] == "length"
+
+
+def test_parameters_with_keywords_the_engine_lacks_are_held_to_the_rest_unless_strict(chat_client):
+    """Claude Code's TaskCreate holds ``propertyNames`` (which llguidance does not implement) in its parameters.
+    The call is held to the rest of the schema; a function marked strict is refused instead."""
+    task = {
+        "type": "object",
+        "properties": {"subject": {"type": "string", "maxLength": 40}},
+        "required": ["subject"],
+        "additionalProperties": False,
+        "propertyNames": {"type": "string"},
+    }
+    tools = [{"type": "function", "function": {"name": "create_task", "parameters": task}}]
+    answer = ask(chat_client, tools=tools, tool_choice="required", messages=[{"role": "user", "content": "Add a task"}])
+    call = answer.choices[0].message.tool_calls[0].function
+    assert call.name == "create_task" and "subject" in json.loads(call.arguments)
+    strict = [{"type": "function", "function": {"name": "create_task", "parameters": task, "strict": True}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(chat_client, tools=strict, tool_choice="required", max_tokens=4)
+    assert caught.value.body["param"] == "tools" and "propertyNames" in caught.value.body["message"]

@@ -151,9 +151,8 @@ def test_the_generic_layout_describes_the_tools_and_writes_calls_as_the_model_do
     laid_out = conversation((("system", "Be brief."), *HISTORY), tools(), "generic")
     assert laid_out[0]["role"] == "system" and laid_out[0]["content"].startswith("Be brief.\n\nYou can call")
     assert '"get_time"' in laid_out[0]["content"]
-    assert json.loads(laid_out[2]["content"]) == {
-        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]
-    }
+    # as the model writes it under the grammar, byte for byte (so the next prompt repeats its tokens)
+    assert laid_out[2]["content"] == '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris"}}]}'
     assert laid_out[3] == {"role": "user", "content": 'The result of get_weather (call call_1): {"sky": "clear"}'}
     # tool_choice "none": no tools described, the earlier call in words (the model must not imitate JSON)
     plain = conversation(HISTORY, tools("none"), "generic")

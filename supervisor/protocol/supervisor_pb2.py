@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from common.protocol import runner_pb2 as common_dot_protocol_dot_runner__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$supervisor/protocol/supervisor.proto\x12\x0bmlxserve.v1\x1a\x1c\x63ommon/protocol/runner.proto\"\xad\x07\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x31\n\x08messages\x18\r \x03(\x0b\x32\x1f.mlxserve.runner.v1.ChatMessage\x12\x1c\n\x14\x63hat_template_kwargs\x18\x0e \x01(\t\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\x05\x12\x0f\n\x07\x64rafter\x18\x11 \x01(\t\x12\x0f\n\x07grammar\x18\x12 \x01(\t\x12?\n\nlogit_bias\x18\x13 \x03(\x0b\x32+.mlxserve.v1.GenerateRequest.LogitBiasEntry\x12\r\n\x05tools\x18\x14 \x01(\t\x12\x13\n\x0btool_choice\x18\x15 \x01(\t\x12\x11\n\ttool_name\x18\x16 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x17 \x01(\x08H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x18 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x19 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x1a \x01(\x02H\x04\x88\x01\x01\x12\x13\n\x0bmax_context\x18\x1b \x01(\x05\x12\x12\n\nresume_ids\x18\x1c \x03(\x05\x12\x13\n\x0bresume_text\x18\x1d \x01(\x05\x12\t\n\x01n\x18\x1e \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x1f \x01(\x08\x12\x13\n\x0b\x63ontext_ids\x18  \x03(\x05\x12\x19\n\x11return_prompt_ids\x18! \x01(\x08\x12\r\n\x05model\x18\x64 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_num_draft_tokensB\x16\n\x14_parallel_tool_callsB\x15\n\x13_repetition_penalty\"\x92\x03\n\x0cMemorySample\x12\x0b\n\x03rss\x18\x01 \x01(\x03\x12\x11\n\tanonymous\x18\x02 \x01(\x03\x12\x0b\n\x03pss\x18\x03 \x01(\x03\x12\x0b\n\x03uss\x18\x04 \x01(\x03\x12\x10\n\x08peak_rss\x18\x05 \x01(\x03\x12\x1a\n\x12growth_bytes_per_s\x18\x06 \x01(\x01\x12\x12\n\nmlx_active\x18\x07 \x01(\x03\x12\x11\n\tmlx_cache\x18\x08 \x01(\x03\x12\x10\n\x08mlx_peak\x18\t \x01(\x03\x12\x14\n\x0cmlx_releases\x18\n \x01(\x03\x12\x12\n\nsoft_limit\x18\x0b \x01(\x03\x12\x12\n\nhard_limit\x18\x0c \x01(\x03\x12\x17\n\x0fhistory_samples\x18\r \x01(\x05\x12\x10\n\x08\x65stimate\x18\x0e \x01(\x03\x12:\n\x0cprompt_cache\x18\x0f \x01(\x0b\x32$.mlxserve.runner.v1.PromptCacheStats\x12\x0e\n\x06queued\x18\x10 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x11 \x01(\x05\x12\x13\n\x0bprocess_rss\x18\x12 \x03(\x03\"\xc4\x02\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.mlxserve.v1.RunnerState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x10\n\x08restarts\x18\x05 \x01(\x05\x12\x17\n\x0flast_used_s_ago\x18\x06 \x01(\x01\x12)\n\x06memory\x18\x07 \x01(\x0b\x32\x19.mlxserve.v1.MemorySample\x12\x0e\n\x06target\x18\x08 \x01(\t\x12\r\n\x05\x64raft\x18\t \x01(\t\x12\x11\n\tin_flight\x18\n \x01(\x05\x12\x18\n\x10generated_tokens\x18\x0b \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x0c \x01(\x01\x12\x11\n\tloading_s\x18\r \x01(\x01\x12\x13\n\x0blast_load_s\x18\x0e \x01(\x01\"\x13\n\x11ListModelsRequest\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\"!\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"!\n\x10GetMemoryRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x85\x01\n\x11GetMemoryResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\x12\x18\n\x10system_available\x18\x02 \x01(\x03\x12\x14\n\x0csystem_total\x18\x03 \x01(\x03\x12\x16\n\x0esupervisor_rss\x18\x04 \x01(\x03\"\x12\n\x10GetStatusRequest\"\x90\x01\n\x11GetStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\r\n\x05ready\x18\x04 \x01(\x08\x12(\n\x06models\x18\x05 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\x12\x12\n\nmax_loaded\x18\x06 \x01(\x05*\xc8\x01\n\x0bRunnerState\x12\x1c\n\x18RUNNER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14RUNNER_STATE_STOPPED\x10\x01\x12\x19\n\x15RUNNER_STATE_STARTING\x10\x02\x12\x18\n\x14RUNNER_STATE_SERVING\x10\x03\x12\x19\n\x15RUNNER_STATE_DRAINING\x10\x04\x12\x18\n\x14RUNNER_STATE_BACKOFF\x10\x05\x12\x17\n\x13RUNNER_STATE_FAILED\x10\x06\x32\xd2\x03\n\nSupervisor\x12M\n\x08Generate\x12\x1c.mlxserve.v1.GenerateRequest\x1a!.mlxserve.runner.v1.GenerateChunk0\x01\x12M\n\nListModels\x12\x1e.mlxserve.v1.ListModelsRequest\x1a\x1f.mlxserve.v1.ListModelsResponse\x12\x44\n\tLoadModel\x12\x1d.mlxserve.v1.LoadModelRequest\x1a\x18.mlxserve.v1.ModelStatus\x12H\n\x0bUnloadModel\x12\x1f.mlxserve.v1.UnloadModelRequest\x1a\x18.mlxserve.v1.ModelStatus\x12J\n\tGetMemory\x12\x1d.mlxserve.v1.GetMemoryRequest\x1a\x1e.mlxserve.v1.GetMemoryResponse\x12J\n\tGetStatus\x12\x1d.mlxserve.v1.GetStatusRequest\x1a\x1e.mlxserve.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$supervisor/protocol/supervisor.proto\x12\x0bmlxserve.v1\x1a\x1c\x63ommon/protocol/runner.proto\"\x1c\n\x0bPullRequest\x12\r\n\x05model\x18\x01 \x01(\t\"^\n\x0cPullProgress\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04\x66ile\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\r\n\x05total\x18\x04 \x01(\x03\x12\x11\n\tcompleted\x18\x05 \x01(\x03\"M\n\nPullStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05total\x18\x02 \x01(\x03\x12\x11\n\tcompleted\x18\x03 \x01(\x03\x12\x0e\n\x06status\x18\x04 \x01(\t\"\xd1\x07\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\n \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x31\n\x08messages\x18\r \x03(\x0b\x32\x1f.mlxserve.runner.v1.ChatMessage\x12\x1c\n\x14\x63hat_template_kwargs\x18\x0e \x01(\t\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\x05\x12\x0f\n\x07\x64rafter\x18\x11 \x01(\t\x12\x0f\n\x07grammar\x18\x12 \x01(\t\x12?\n\nlogit_bias\x18\x13 \x03(\x0b\x32+.mlxserve.v1.GenerateRequest.LogitBiasEntry\x12\r\n\x05tools\x18\x14 \x01(\t\x12\x13\n\x0btool_choice\x18\x15 \x01(\t\x12\x11\n\ttool_name\x18\x16 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x17 \x01(\x08H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x18 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x19 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x1a \x01(\x02H\x04\x88\x01\x01\x12\x13\n\x0bmax_context\x18\x1b \x01(\x05\x12\x12\n\nresume_ids\x18\x1c \x03(\x05\x12\x13\n\x0bresume_text\x18\x1d \x01(\x05\x12\t\n\x01n\x18\x1e \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x1f \x01(\x08\x12\x13\n\x0b\x63ontext_ids\x18  \x03(\x05\x12\x19\n\x11return_prompt_ids\x18! \x01(\x08\x12\x11\n\tdefaulted\x18\" \x03(\t\x12\x0f\n\x07\x61\x64\x61pter\x18# \x01(\t\x12\r\n\x05model\x18\x64 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_num_draft_tokensB\x16\n\x14_parallel_tool_callsB\x15\n\x13_repetition_penalty\"\x92\x03\n\x0cMemorySample\x12\x0b\n\x03rss\x18\x01 \x01(\x03\x12\x11\n\tanonymous\x18\x02 \x01(\x03\x12\x0b\n\x03pss\x18\x03 \x01(\x03\x12\x0b\n\x03uss\x18\x04 \x01(\x03\x12\x10\n\x08peak_rss\x18\x05 \x01(\x03\x12\x1a\n\x12growth_bytes_per_s\x18\x06 \x01(\x01\x12\x12\n\nmlx_active\x18\x07 \x01(\x03\x12\x11\n\tmlx_cache\x18\x08 \x01(\x03\x12\x10\n\x08mlx_peak\x18\t \x01(\x03\x12\x14\n\x0cmlx_releases\x18\n \x01(\x03\x12\x12\n\nsoft_limit\x18\x0b \x01(\x03\x12\x12\n\nhard_limit\x18\x0c \x01(\x03\x12\x17\n\x0fhistory_samples\x18\r \x01(\x05\x12\x10\n\x08\x65stimate\x18\x0e \x01(\x03\x12:\n\x0cprompt_cache\x18\x0f \x01(\x0b\x32$.mlxserve.runner.v1.PromptCacheStats\x12\x0e\n\x06queued\x18\x10 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x11 \x01(\x05\x12\x13\n\x0bprocess_rss\x18\x12 \x03(\x03\"\xc4\x02\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.mlxserve.v1.RunnerState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\x05\x12\x10\n\x08restarts\x18\x05 \x01(\x05\x12\x17\n\x0flast_used_s_ago\x18\x06 \x01(\x01\x12)\n\x06memory\x18\x07 \x01(\x0b\x32\x19.mlxserve.v1.MemorySample\x12\x0e\n\x06target\x18\x08 \x01(\t\x12\r\n\x05\x64raft\x18\t \x01(\t\x12\x11\n\tin_flight\x18\n \x01(\x05\x12\x18\n\x10generated_tokens\x18\x0b \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x0c \x01(\x01\x12\x11\n\tloading_s\x18\r \x01(\x01\x12\x13\n\x0blast_load_s\x18\x0e \x01(\x01\"\x13\n\x11ListModelsRequest\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\"!\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"#\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"!\n\x10GetMemoryRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x85\x01\n\x11GetMemoryResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\x12\x18\n\x10system_available\x18\x02 \x01(\x03\x12\x14\n\x0csystem_total\x18\x03 \x01(\x03\x12\x16\n\x0esupervisor_rss\x18\x04 \x01(\x03\"\x12\n\x10GetStatusRequest\"\xc8\x01\n\x11GetStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\r\n\x05ready\x18\x04 \x01(\x08\x12(\n\x06models\x18\x05 \x03(\x0b\x32\x18.mlxserve.v1.ModelStatus\x12\x12\n\nmax_loaded\x18\x06 \x01(\x05\x12&\n\x05pulls\x18\x07 \x03(\x0b\x32\x17.mlxserve.v1.PullStatus\x12\x0e\n\x06\x63\x61\x63hed\x18\x08 \x03(\t*\xc8\x01\n\x0bRunnerState\x12\x1c\n\x18RUNNER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14RUNNER_STATE_STOPPED\x10\x01\x12\x19\n\x15RUNNER_STATE_STARTING\x10\x02\x12\x18\n\x14RUNNER_STATE_SERVING\x10\x03\x12\x19\n\x15RUNNER_STATE_DRAINING\x10\x04\x12\x18\n\x14RUNNER_STATE_BACKOFF\x10\x05\x12\x17\n\x13RUNNER_STATE_FAILED\x10\x06\x32\x91\x04\n\nSupervisor\x12M\n\x08Generate\x12\x1c.mlxserve.v1.GenerateRequest\x1a!.mlxserve.runner.v1.GenerateChunk0\x01\x12M\n\nListModels\x12\x1e.mlxserve.v1.ListModelsRequest\x1a\x1f.mlxserve.v1.ListModelsResponse\x12\x44\n\tLoadModel\x12\x1d.mlxserve.v1.LoadModelRequest\x1a\x18.mlxserve.v1.ModelStatus\x12H\n\x0bUnloadModel\x12\x1f.mlxserve.v1.UnloadModelRequest\x1a\x18.mlxserve.v1.ModelStatus\x12J\n\tGetMemory\x12\x1d.mlxserve.v1.GetMemoryRequest\x1a\x1e.mlxserve.v1.GetMemoryResponse\x12J\n\tGetStatus\x12\x1d.mlxserve.v1.GetStatusRequest\x1a\x1e.mlxserve.v1.GetStatusResponse\x12=\n\x04Pull\x12\x18.mlxserve.v1.PullRequest\x1a\x19.mlxserve.v1.PullProgress0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +34,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_RUNNERSTATE']._serialized_start=2255
-  _globals['_RUNNERSTATE']._serialized_end=2455
-  _globals['_GENERATEREQUEST']._serialized_start=84
-  _globals['_GENERATEREQUEST']._serialized_end=1025
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=890
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=938
-  _globals['_MEMORYSAMPLE']._serialized_start=1028
-  _globals['_MEMORYSAMPLE']._serialized_end=1430
-  _globals['_MODELSTATUS']._serialized_start=1433
-  _globals['_MODELSTATUS']._serialized_end=1757
-  _globals['_LISTMODELSREQUEST']._serialized_start=1759
-  _globals['_LISTMODELSREQUEST']._serialized_end=1778
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1780
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1842
-  _globals['_LOADMODELREQUEST']._serialized_start=1844
-  _globals['_LOADMODELREQUEST']._serialized_end=1877
-  _globals['_UNLOADMODELREQUEST']._serialized_start=1879
-  _globals['_UNLOADMODELREQUEST']._serialized_end=1914
-  _globals['_GETMEMORYREQUEST']._serialized_start=1916
-  _globals['_GETMEMORYREQUEST']._serialized_end=1949
-  _globals['_GETMEMORYRESPONSE']._serialized_start=1952
-  _globals['_GETMEMORYRESPONSE']._serialized_end=2085
-  _globals['_GETSTATUSREQUEST']._serialized_start=2087
-  _globals['_GETSTATUSREQUEST']._serialized_end=2105
-  _globals['_GETSTATUSRESPONSE']._serialized_start=2108
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2252
-  _globals['_SUPERVISOR']._serialized_start=2458
-  _globals['_SUPERVISOR']._serialized_end=2924
+  _globals['_RUNNERSTATE']._serialized_start=2552
+  _globals['_RUNNERSTATE']._serialized_end=2752
+  _globals['_PULLREQUEST']._serialized_start=83
+  _globals['_PULLREQUEST']._serialized_end=111
+  _globals['_PULLPROGRESS']._serialized_start=113
+  _globals['_PULLPROGRESS']._serialized_end=207
+  _globals['_PULLSTATUS']._serialized_start=209
+  _globals['_PULLSTATUS']._serialized_end=286
+  _globals['_GENERATEREQUEST']._serialized_start=289
+  _globals['_GENERATEREQUEST']._serialized_end=1266
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1131
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1179
+  _globals['_MEMORYSAMPLE']._serialized_start=1269
+  _globals['_MEMORYSAMPLE']._serialized_end=1671
+  _globals['_MODELSTATUS']._serialized_start=1674
+  _globals['_MODELSTATUS']._serialized_end=1998
+  _globals['_LISTMODELSREQUEST']._serialized_start=2000
+  _globals['_LISTMODELSREQUEST']._serialized_end=2019
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2021
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2083
+  _globals['_LOADMODELREQUEST']._serialized_start=2085
+  _globals['_LOADMODELREQUEST']._serialized_end=2118
+  _globals['_UNLOADMODELREQUEST']._serialized_start=2120
+  _globals['_UNLOADMODELREQUEST']._serialized_end=2155
+  _globals['_GETMEMORYREQUEST']._serialized_start=2157
+  _globals['_GETMEMORYREQUEST']._serialized_end=2190
+  _globals['_GETMEMORYRESPONSE']._serialized_start=2193
+  _globals['_GETMEMORYRESPONSE']._serialized_end=2326
+  _globals['_GETSTATUSREQUEST']._serialized_start=2328
+  _globals['_GETSTATUSREQUEST']._serialized_end=2346
+  _globals['_GETSTATUSRESPONSE']._serialized_start=2349
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2549
+  _globals['_SUPERVISOR']._serialized_start=2755
+  _globals['_SUPERVISOR']._serialized_end=3284
 # @@protoc_insertion_point(module_scope)

@@ -25,8 +25,40 @@ RUNNER_STATE_DRAINING: RunnerState
 RUNNER_STATE_BACKOFF: RunnerState
 RUNNER_STATE_FAILED: RunnerState
 
+class PullRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class PullProgress(_message.Message):
+    __slots__ = ("status", "file", "digest", "total", "completed")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    file: str
+    digest: str
+    total: int
+    completed: int
+    def __init__(self, status: _Optional[str] = ..., file: _Optional[str] = ..., digest: _Optional[str] = ..., total: _Optional[int] = ..., completed: _Optional[int] = ...) -> None: ...
+
+class PullStatus(_message.Message):
+    __slots__ = ("model", "total", "completed", "status")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    total: int
+    completed: int
+    status: str
+    def __init__(self, model: _Optional[str] = ..., total: _Optional[int] = ..., completed: _Optional[int] = ..., status: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_ids", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "num_draft_tokens", "request_id", "ignore_eos", "messages", "chat_template_kwargs", "logprobs", "top_logprobs", "drafter", "grammar", "logit_bias", "tools", "tool_choice", "tool_name", "parallel_tool_calls", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_context", "resume_ids", "resume_text", "n", "prompt_logprobs", "context_ids", "return_prompt_ids", "model")
+    __slots__ = ("prompt", "prompt_ids", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "num_draft_tokens", "request_id", "ignore_eos", "messages", "chat_template_kwargs", "logprobs", "top_logprobs", "drafter", "grammar", "logit_bias", "tools", "tool_choice", "tool_name", "parallel_tool_calls", "presence_penalty", "frequency_penalty", "repetition_penalty", "max_context", "resume_ids", "resume_text", "n", "prompt_logprobs", "context_ids", "return_prompt_ids", "defaulted", "adapter", "model")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +99,8 @@ class GenerateRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULTED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -101,8 +135,10 @@ class GenerateRequest(_message.Message):
     prompt_logprobs: bool
     context_ids: _containers.RepeatedScalarFieldContainer[int]
     return_prompt_ids: bool
+    defaulted: _containers.RepeatedScalarFieldContainer[str]
+    adapter: str
     model: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[_runner_pb2.ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ..., grammar: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_context: _Optional[int] = ..., resume_ids: _Optional[_Iterable[int]] = ..., resume_text: _Optional[int] = ..., n: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., return_prompt_ids: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[_runner_pb2.ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ..., grammar: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_context: _Optional[int] = ..., resume_ids: _Optional[_Iterable[int]] = ..., resume_text: _Optional[int] = ..., n: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., return_prompt_ids: _Optional[bool] = ..., defaulted: _Optional[_Iterable[str]] = ..., adapter: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class MemorySample(_message.Message):
     __slots__ = ("rss", "anonymous", "pss", "uss", "peak_rss", "growth_bytes_per_s", "mlx_active", "mlx_cache", "mlx_peak", "mlx_releases", "soft_limit", "hard_limit", "history_samples", "estimate", "prompt_cache", "queued", "active_requests", "process_rss")
@@ -221,17 +257,21 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("version", "pid", "uptime_s", "ready", "models", "max_loaded")
+    __slots__ = ("version", "pid", "uptime_s", "ready", "models", "max_loaded", "pulls", "cached")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     MAX_LOADED_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     uptime_s: float
     ready: bool
     models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
     max_loaded: int
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., max_loaded: _Optional[int] = ...) -> None: ...
+    pulls: _containers.RepeatedCompositeFieldContainer[PullStatus]
+    cached: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., max_loaded: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[PullStatus, _Mapping]]] = ..., cached: _Optional[_Iterable[str]] = ...) -> None: ...

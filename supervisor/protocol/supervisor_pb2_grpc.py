@@ -65,6 +65,11 @@ class SupervisorStub:
                 request_serializer=supervisor_dot_protocol_dot_supervisor__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=supervisor_dot_protocol_dot_supervisor__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.Pull = channel.unary_stream(
+                '/mlxserve.v1.Supervisor/Pull',
+                request_serializer=supervisor_dot_protocol_dot_supervisor__pb2.PullRequest.SerializeToString,
+                response_deserializer=supervisor_dot_protocol_dot_supervisor__pb2.PullProgress.FromString,
+                _registered_method=True)
 
 
 class SupervisorServicer:
@@ -109,6 +114,14 @@ class SupervisorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pull(self, request, context):
+        """Fetch a hub repository into the hub cache ("org/name", "org/name@rev", "org/name:QUANT",
+        "org/name/file.gguf"), streaming its progress; allowed when the config's pull is "any".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SupervisorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +154,11 @@ def add_SupervisorServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=supervisor_dot_protocol_dot_supervisor__pb2.GetStatusRequest.FromString,
                     response_serializer=supervisor_dot_protocol_dot_supervisor__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'Pull': grpc.unary_stream_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=supervisor_dot_protocol_dot_supervisor__pb2.PullRequest.FromString,
+                    response_serializer=supervisor_dot_protocol_dot_supervisor__pb2.PullProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,6 +323,33 @@ class Supervisor:
             '/mlxserve.v1.Supervisor/GetStatus',
             supervisor_dot_protocol_dot_supervisor__pb2.GetStatusRequest.SerializeToString,
             supervisor_dot_protocol_dot_supervisor__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mlxserve.v1.Supervisor/Pull',
+            supervisor_dot_protocol_dot_supervisor__pb2.PullRequest.SerializeToString,
+            supervisor_dot_protocol_dot_supervisor__pb2.PullProgress.FromString,
             options,
             channel_credentials,
             insecure,
