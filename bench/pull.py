@@ -29,7 +29,8 @@ def timed_pull(endpoint: str, repo: str, how: str) -> float:
         env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
         if how == "ours":
             code = (  # the client imported before the clock starts, as it is for snapshot_download
-                "import huggingface_hub\nfrom supervisor import hub\nstart = time.perf_counter()\n"
+                "from huggingface_hub import HfApi, hf_hub_download\nfrom supervisor import hub\n"
+                "start = time.perf_counter()\n"
                 f"hub.pull(hub.parse_ref({repo!r}))"
             )
         else:

@@ -397,8 +397,62 @@ class Progress:
     completed: int = 0
 
 
-def _bar(report: Callable[[Progress], None], remote: RemoteFile):
-    """A tqdm-shaped class that ``hf_hub_download`` drives for one file, reporting its bytes."""
+class TailHash:
+    """The sha256 of a file being written, taken as it grows by a thread of its own (reading the partial file
+    back), so a pull's check runs beside the download instead of after it. Whatever goes wrong (a download that
+    restarted and rewrote its start) only makes ``digest`` wrong, and a wrong digest is checked again from the
+    whole file (``verify``)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._hash = hashlib.sha256()
+        self._done = 0
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def grew(self) -> None:
+        """The file has more bytes (the download reported progress)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"sha256 {self.path.name}", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(1.0)
+            self._wake.clear()
+            self._catch_up()
+            if self._closing:
+                self._catch_up()
+                return
+
+    def _catch_up(self) -> None:
+        try:
+            with open(self.path, "rb") as stream:
+                stream.seek(self._done)
+                while chunk := stream.read(8 * 2**20):
+                    self._hash.update(chunk)
+                    self._done += len(chunk)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """The file is whole: hash what is left (before the client renames it)."""
+        self._closing = True
+        if self._thread is None:
+            self._catch_up()
+            return
+        self._wake.set()
+        self._thread.join()
+
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def _bar(report: Callable[[Progress], None], remote: RemoteFile, tail: TailHash | None = None):
+    """A tqdm-shaped class that ``hf_hub_download`` drives for one file, reporting its bytes (and hashing them
+    as they come, with ``tail``)."""
 
     class Bar:
         def __init__(self, *args, total=None, initial=0, **kwargs):
@@ -416,6 +470,8 @@ def _bar(report: Callable[[Progress], None], remote: RemoteFile):
 
         def update(self, n=1) -> None:
             self.n += int(n or 0)
+            if tail is not None:
+                tail.grew()
             self._send()
 
         def update_transfer(self, n=1) -> None:
@@ -431,6 +487,8 @@ def _bar(report: Callable[[Progress], None], remote: RemoteFile):
             pass
 
         def close(self) -> None:
+            if tail is not None:
+                tail.close()
             self._send(force=True)
 
         def __enter__(self):
@@ -445,12 +503,21 @@ def _bar(report: Callable[[Progress], None], remote: RemoteFile):
 # -- pulling ---------------------------------------------------------------------------------------------------------
 
 
-def _download(plan: Plan, files: list[RemoteFile], report: Callable[[Progress], None]) -> Path:
-    """Fetch ``files`` into the hub cache at the plan's commit, eight at a time; the snapshot folder."""
+def _download(
+    plan: Plan, files: list[RemoteFile], report: Callable[[Progress], None], digests: dict | None = None
+) -> Path:
+    """Fetch ``files`` into the hub cache at the plan's commit, eight at a time; the snapshot folder. Weight
+    files are hashed as they come into ``digests`` (name -> sha256), where given."""
     hub = _hub()
+    blobs = cache_dir() / f"models--{plan.ref.repo.replace('/', '--')}" / "blobs"
 
     def fetch(remote: RemoteFile) -> str:
-        return hub.hf_hub_download(plan.ref.repo, remote.name, revision=plan.commit, tqdm_class=_bar(report, remote))
+        tail = None
+        if digests is not None and remote.sha256:
+            tail = TailHash(blobs / f"{remote.sha256}.incomplete")  # where the client writes an LFS file
+            digests[remote.name] = tail
+        bar = _bar(report, remote, tail)
+        return hub.hf_hub_download(plan.ref.repo, remote.name, revision=plan.commit, tqdm_class=bar)
 
     if not files:
         return snapshot_folder(plan)
@@ -463,12 +530,17 @@ def snapshot_folder(plan: Plan) -> Path:
     return cache_dir() / f"models--{plan.ref.repo.replace('/', '--')}" / "snapshots" / plan.commit
 
 
-def verify(plan: Plan, folder: Path, report: Callable[[Progress], None]) -> None:
-    """Each weight file's sha256 against the hub's; a file that differs is deleted (its blob too) and named."""
+def verify(plan: Plan, folder: Path, report: Callable[[Progress], None], taken: dict | None = None) -> None:
+    """Each weight file's sha256 against the hub's; a file that differs is deleted (its blob too) and named.
+    ``taken``: digests made while the files came (``TailHash``); a file without one, or whose one differs, is
+    hashed whole here."""
     for remote in plan.weights:
         if remote.sha256 is None:
             continue
         report(Progress("verifying sha256 digest", remote.name, f"sha256:{remote.sha256}", remote.size, remote.size))
+        tail = (taken or {}).get(remote.name)
+        if tail is not None and tail.digest() == remote.sha256:
+            continue
         path = folder / remote.name
         digest = hashlib.sha256()
         with open(path, "rb") as stream:
@@ -533,8 +605,11 @@ def pull(ref: ModelRef, report: Callable[[Progress], None] = lambda progress: No
             message = f"{ref} is not in the hub cache ({cache_dir()}) and the hub is offline (HF_HUB_OFFLINE)"
             raise not_found(message) from None
     the_plan = plan(ref)
+    first = [f for f in the_plan.support if f.name in ("config.json", "adapter_config.json")]  # for the checks
+    rest = [f for f in the_plan.files if f not in first]
+    digests: dict[str, TailHash] = {}
     try:
-        folder = _download(the_plan, the_plan.support, lambda progress: None)
+        folder = _download(the_plan, first, lambda progress: None)
         if ref.gguf or not the_plan.support:
             remote = the_plan.weights[0]
             architecture = gguf_architecture(
@@ -561,14 +636,14 @@ def pull(ref: ModelRef, report: Callable[[Progress], None] = lambda progress: No
         # Its listing, config and tokenizer are here and checked: the first record (an error before it is the
         # API's status, one after it a line of the stream), then the weights.
         report(Progress("pulling manifest"))
-        folder = _download(the_plan, the_plan.weights, report)
+        folder = _download(the_plan, rest, report, digests)  # the tokenizer's files beside the weights
     except HubError:
         raise
     except ValueError as error:  # a GGUF or safetensors header that cannot be read
         raise HubError(grpc.StatusCode.FAILED_PRECONDITION, f"{ref}: {error}", "model") from None
     except Exception as error:  # noqa: BLE001 - every hub error is one line naming the repository
         raise hub_error(ref, error) from None
-    verify(the_plan, folder, report)
+    verify(the_plan, folder, report, digests)
     _write_ref(the_plan)
     report(Progress("success"))
     return folder / the_plan.weights[0].name if ref.gguf or not the_plan.support else folder

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import openai
 import pytest
 
 from common.defaults import DEFAULT_TARGET, SMOLLM2_DIR
+from tests.helpers import on_a_terminal
 from tests.hub_standin import Repo, StandInHub
 from tests.processes import SupervisorProcess, model_toml, wait_until
 
@@ -92,6 +94,9 @@ def cli(standin, cache, *args, **env) -> subprocess.CompletedProcess:
 
 
 def test_the_cli_pulls_only_what_a_runner_needs(standin, cache):
+    before = cli(standin, cache, "estimate", "org/smol")  # before a pull: the config and the weights' headers
+    assert before.returncode == 0 and before.stdout.startswith("org/smol: "), before.stderr
+    assert standin.weight_bytes_sent("org/smol") < 100_000
     done = cli(standin, cache, "pull", "org/smol")
     assert done.returncode == 0, done.stderr
     assert "org/smol: 9" in done.stdout and "pulling manifest" in done.stderr and "success" in done.stderr
@@ -202,6 +207,18 @@ def test_what_cannot_be_served_is_refused_before_its_weights_come(sup, standin):
     )
 
 
+def test_a_gated_repository_comes_with_hf_token(standin, tmp_path):
+    done = cli(standin, tmp_path, "pull", "org/gated", HF_TOKEN=StandInHub.TOKEN)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_architectures_a_pull_accepts_are_the_importers():
+    from runner.gguf import SUPPORTED_ARCHITECTURES
+    from supervisor.hub import GGUF_ARCHITECTURES
+
+    assert set(GGUF_ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES)
+
+
 def test_a_repository_that_does_not_exist_is_a_404_in_each_apis_shape(sup):
     with pytest.raises(ollama.ResponseError) as pulled:
         list(sup.ollama().pull("org/nope", stream=True))
@@ -271,3 +288,14 @@ def write_config(folder, models_toml: str):
     path = folder / "supervisor.toml"
     path.write_text('http_listen = ""\nprobe_port = 0\nlisten = "127.0.0.1:0"\n' + models_toml.replace("'", '"'))
     return path
+
+
+def test_the_cli_shows_a_bar_with_bytes_rate_and_time_left_on_a_terminal(standin, tmp_path):
+    standin.rate["org/resumed"] = 40 * 2**20  # slow enough for the bar to be drawn a few times
+    env = {**os.environ, **hub_env(standin, tmp_path), "COLUMNS": "120"}
+    status, out = on_a_terminal([sys.executable, "-m", "supervisor", "pull", "org/resumed"], env)
+    standin.rate.pop("org/resumed")
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)  # what the screen shows, colours and moves aside
+    assert status == 0, shown
+    assert re.search(r"pulling org/resumed .* [\d.]+/101\.9 MB [\d.]+ MB/s \d:\d\d:\d\d", shown), shown
+    assert re.search(r"org/resumed: 97\.2 MiB in \S+/models--org--resumed/snapshots/", shown), shown

@@ -136,7 +136,8 @@ def test_keep_alive_zero_unloads_and_an_empty_request_loads(client):
         (lambda c: c.chat(model="smol", messages=ASK, options={"mirostat": 2}), 400, "mirostat"),
         (lambda c: c.chat(model="smol", messages=ASK, options={"num_ctx": 8}), 400, "context size (8 tokens)"),
         (lambda c: c.chat(model="smol", messages=ASK, think=True), 400, "think"),
-        (lambda c: c.pull("smol"), 501, "not supported here"),
+        (lambda c: c.pull("org/model"), 403, 'set pull = "any"'),  # pull = "cached", the default
+        (lambda c: c.push("smol"), 501, "not supported here"),
         (lambda c: c.embed(model="smol", input="hi"), 501, "does not serve embedding models yet"),
     ],
 )
