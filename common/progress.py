@@ -18,13 +18,8 @@ def _console(file):
     return Console(file=file if file is not None else sys.stderr)
 
 
-@contextlib.contextmanager
-def byte_bar(description: str, total: int, file=None):
-    """Yields ``advance(nbytes)``; a bar with bytes done, the rate and the time left, while the block runs."""
-    console = _console(file)
-    if not console.is_terminal:
-        yield lambda done: None
-        return
+def _bytes_progress(console):
+    """A rich Progress with bytes done, the rate and the time left."""
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -35,7 +30,17 @@ def byte_bar(description: str, total: int, file=None):
     )
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    with Progress(*columns, TimeRemainingColumn(), console=console, transient=True) as progress:
+    return Progress(*columns, TimeRemainingColumn(), console=console, transient=True)
+
+
+@contextlib.contextmanager
+def byte_bar(description: str, total: int, file=None):
+    """Yields ``advance(nbytes)``; a bar with bytes done, the rate and the time left, while the block runs."""
+    console = _console(file)
+    if not console.is_terminal:
+        yield lambda done: None
+        return
+    with _bytes_progress(console) as progress:
         task = progress.add_task(description, total=total)
         yield lambda done: progress.advance(task, done)
 
@@ -59,16 +64,6 @@ def growing_bar(description: str, file=None):
     if not console.is_terminal:
         yield lambda done, total: None
         return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    with Progress(*columns, TimeRemainingColumn(), console=console, transient=True) as progress:
+    with _bytes_progress(console) as progress:
         task = progress.add_task(description, total=None)
         yield lambda done, total: progress.update(task, completed=done, total=total or None)

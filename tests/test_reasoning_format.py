@@ -1,0 +1,103 @@
+"""Which format a model's reasoning takes, read from real chat templates, and an answer split into reasoning and
+content as it streams, the same whatever the pieces it comes in (common/reasoning.py; issue #38, first step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.reasoning import ReasoningFormat, ReasoningSplitter, detect, of_setting
+
+# Qwen3's template, the parts about reasoning, as Qwen/Qwen3-8B's tokenizer_config.json writes them.
+QWEN3 = """{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n')
+                    .split('<think>')[-1].lstrip('\\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+# DeepSeek-R1's distills: the generation prompt opens the block.
+DEEPSEEK_R1_GENERATION = "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>\n"
+DEEPSEEK_R1 = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{% set content = message['content'] %}"
+    "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
+)
+# gpt-oss: harmony's channels.
+GPT_OSS = (
+    "{%- if message.thinking %}{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + "
+    "'<|end|>' }}{%- endif %}{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+SMOLLM2 = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+def test_each_family_is_told_from_its_template():
+    qwen3 = detect(QWEN3, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert qwen3 == ReasoningFormat("think", opened=False, switchable=True)
+    assert detect(DEEPSEEK_R1, DEEPSEEK_R1_GENERATION) == ReasoningFormat("think", opened=True)
+    assert detect(GPT_OSS).kind == "harmony"
+    assert detect(SMOLLM2) is None and detect(None) is None
+    assert of_setting("none", qwen3) is None and of_setting("auto", qwen3) is qwen3
+    assert of_setting("think", None) == ReasoningFormat("think")
+
+
+def pieces(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def split(fmt: ReasoningFormat, parts: list[str], thinking: bool = True) -> tuple[str, str]:
+    splitter = ReasoningSplitter(fmt, thinking)
+    reasoning, content = "", ""
+    for part in parts:
+        r, c = splitter.feed(part)
+        reasoning, content = reasoning + r, content + c
+    r, c = splitter.finish()
+    return reasoning + r, content + c
+
+
+@pytest.mark.parametrize(
+    "fmt, text, expected",
+    [
+        (
+            ReasoningFormat("think"),
+            "<think>\n7 is 3 plus 4.\n</think>\n\nThe answer is 7.",
+            ("7 is 3 plus 4.", "The answer is 7."),
+        ),
+        (ReasoningFormat("think", opened=True), "7 is 3 plus 4.</think>\n\nSeven.", ("7 is 3 plus 4.", "Seven.")),
+        (
+            ReasoningFormat("think"),
+            "No block here, <think> later is text.",
+            ("", "No block here, <think> later is text."),
+        ),
+        (ReasoningFormat("think"), "<think>\ncut short by max_tokens", ("cut short by max_tokens", "")),
+        (ReasoningFormat("think"), "<think>\n\n</think>\n\nSkipped.", ("", "Skipped.")),
+        (
+            ReasoningFormat("harmony", start="<|channel|>", end="<|end|>"),
+            "<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>final<|message|>7<|return|>",
+            ("Add them.", "7"),
+        ),
+    ],
+)
+def test_an_answer_splits_the_same_whatever_pieces_it_streams_in(fmt, text, expected):
+    for size in (1, 2, 3, 5, 8, len(text)):
+        assert split(fmt, pieces(text, size)) == expected, size
