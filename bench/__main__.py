@@ -30,6 +30,7 @@ SECTIONS = (
     "claude_code",
     "pull",
     "adapters",
+    "reasoning",
 )
 
 PAGE_HEADER = """# Benchmarks

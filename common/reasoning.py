@@ -17,9 +17,17 @@ setting overrides it or turns it off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .errors import InvalidRequest
 
 FORMATS = ("think", "harmony")
+THINK = ("", "on", "off")  # a request's think: the model's default, on, off
+EFFORTS = ("none", "minimal", "low", "medium", "high")  # a request's reasoning_effort (OpenAI's words)
+# The reasoning budget an effort gives a model that thinks in a block (its template takes no effort itself):
+# "none" turns thinking off, "high" leaves it unbounded (max_tokens bounds it). gpt-oss's template takes the
+# effort itself (its "Reasoning: low" line).
+EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": None}
 HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 
@@ -63,6 +71,75 @@ def of_setting(setting: str, detected: ReasoningFormat | None) -> ReasoningForma
     )
 
 
+def answer_start(text: str, fmt: ReasoningFormat, thinking: bool = True) -> int | None:
+    """Where the answer starts in ``text`` (an answer as written, block and all), or None while it may still be
+    reasoning: stop strings apply to the answer only (runner.stopping). A block the prompt opened (``opened``,
+    and thinking) is reasoning until its end; otherwise the answer starts at once unless it opens a block."""
+    if fmt.kind == "harmony":
+        at = text.find(HARMONY_CHANNEL + "final")
+        if at < 0:
+            opening = HARMONY_CHANNEL in text or HARMONY_CHANNEL.startswith(text.lstrip())
+            return None if opening else 0
+        message = text.find(HARMONY_MESSAGE, at)
+        return None if message < 0 else message + len(HARMONY_MESSAGE)
+    if not (fmt.opened and thinking):
+        stripped = text.lstrip()
+        if not stripped.startswith(fmt.start):
+            return None if fmt.start.startswith(stripped) else 0
+    at = text.find(fmt.end)
+    return None if at < 0 else at + len(fmt.end)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one request's answer reasons: what its switches (think, reasoning_budget, reasoning_effort) and its
+    chat template's arguments ask of its model's format."""
+
+    thinking: bool  # the answer may reason (a block the prompt opens is expected)
+    budget: int | None = None  # the most reasoning tokens, its end forced there (runner.thinking); None: unbounded
+    kwargs: dict = field(default_factory=dict)  # the chat template's arguments, with what the switches set
+    empty_block: str = ""  # text after the generation prompt: an empty block, for a model that cannot be switched
+
+
+NOT_A_REASONER = "this model does not reason apart from its answer (its reasoning_format is none)"
+
+
+def plan(
+    fmt: ReasoningFormat | None, think: str = "", budget: int | None = None, effort: str = "", kwargs=None
+) -> Plan:
+    """The request's plan for a model whose format is ``fmt``; raises InvalidRequest naming the switch the model
+    cannot honour. ``kwargs``: the chat template's arguments the request gave (``enable_thinking`` False there is
+    ``think`` off when the switches say nothing)."""
+    kwargs = dict(kwargs or {})
+    if fmt is None:
+        for name, asked in (("think", think == "on"), ("reasoning_budget", budget is not None)):
+            if asked:
+                raise InvalidRequest(name, NOT_A_REASONER)
+        if effort not in ("", "none"):
+            raise InvalidRequest("reasoning_effort", NOT_A_REASONER)
+        return Plan(False, kwargs=kwargs)
+    off = think == "off" or effort == "none" or (not think and not effort and kwargs.get("enable_thinking") is False)
+    if fmt.kind == "harmony":
+        if off:
+            raise InvalidRequest("think", "this model always reasons (gpt-oss's harmony format): ask a low effort")
+        if budget is not None:
+            raise InvalidRequest(
+                "reasoning_budget", "is enforced for models that think in a block, not harmony's: ask an effort"
+            )
+        if effort:
+            kwargs["reasoning_effort"] = "low" if effort == "minimal" else effort
+        return Plan(True, kwargs=kwargs)
+    if off:
+        if fmt.switchable:
+            kwargs["enable_thinking"] = False
+            return Plan(False, kwargs=kwargs)
+        empty = ("\n" if fmt.opened else f"{fmt.start}\n\n") + f"{fmt.end}\n\n"
+        return Plan(False, kwargs=kwargs, empty_block=empty)
+    if fmt.switchable and (think == "on" or effort or budget is not None):
+        kwargs["enable_thinking"] = True
+    return Plan(True, budget if budget is not None else EFFORT_BUDGETS.get(effort), kwargs)
+
+
 def _held(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` may be the start of ``marker`` (held back until more comes)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -78,6 +155,7 @@ class ReasoningSplitter:
 
     def __init__(self, fmt: ReasoningFormat, thinking: bool = True):
         self.fmt = fmt
+        self.thinking = thinking
         self.state = "inside" if fmt.kind == "think" and fmt.opened and thinking else "start"
         self._fresh = self.state == "inside"  # at the block's start: its opening newlines are not reasoning
         self._pending = ""

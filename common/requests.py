@@ -18,6 +18,7 @@ import math
 
 from .defaults import MAX_MESSAGE_BYTES, MAX_NUM_DRAFT_TOKENS
 from .errors import InvalidRequest
+from .reasoning import EFFORTS, THINK
 from .settings import ADAPTER_NAME, DRAFTERS
 from .tool_calls import check_history, check_tools
 
@@ -93,10 +94,14 @@ def check_fields(
     context_ids=(),
     return_prompt_ids: bool = False,
     adapter: str = "",
+    think: str = "",
+    reasoning_budget: int | None = None,
+    reasoning_effort: str = "",
 ) -> None:
     """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs, or
-    (role, content, name, tool_call_id, tool_calls) tuples (``common.tool_calls.check_history``);
-    ``chat_template_kwargs``: a JSON object, as text; ``tools``: OpenAI's list of tools, as JSON text."""
+    (role, content, name, tool_call_id, tool_calls[, reasoning]) tuples (``common.tool_calls.check_history``);
+    ``chat_template_kwargs``: a JSON object, as text; ``tools``: OpenAI's list of tools, as JSON text; ``think``,
+    ``reasoning_budget`` and ``reasoning_effort``: a model that thinks (common.reasoning)."""
     if not prompt and not len(prompt_ids) and not len(messages):
         raise InvalidRequest("prompt", "must not be empty (set prompt, prompt_ids or messages)")
     if len(messages) and (prompt or len(prompt_ids)):
@@ -170,6 +175,17 @@ def check_fields(
             raise InvalidRequest("resume_ids", "an answer under a grammar or with tools cannot be resumed")
         if not 0 <= resume_text:
             raise InvalidRequest("resume_text", "must be >= 0")
+    if think not in THINK:
+        raise InvalidRequest("think", 'must be "on" or "off" (or empty: the model\'s default)')
+    if reasoning_effort and reasoning_effort not in EFFORTS:
+        raise InvalidRequest("reasoning_effort", f"must be one of {', '.join(EFFORTS)}")
+    if reasoning_budget is not None:
+        if isinstance(reasoning_budget, bool) or not isinstance(reasoning_budget, int):
+            raise InvalidRequest("reasoning_budget", "must be an integer")
+        if not 0 <= reasoning_budget <= INT32_MAX:
+            raise InvalidRequest("reasoning_budget", f"must lie in [0, {INT32_MAX}]")
+        if think == "off" or reasoning_effort == "none":
+            raise InvalidRequest("reasoning_budget", "a budget for reasoning that is turned off")
     if tools or tool_choice or tool_name:
         _text("tools", tools)
         if check_tools(tools, tool_choice, tool_name, parallel_tool_calls).calls and grammar:
@@ -207,12 +223,19 @@ def check_message(message) -> None:
 def fields_of(message) -> dict:
     """A GenerateRequest message's fields as ``check_fields`` (and the runner's ``GenerationRequest``) take them:
     unset optional fields as their defaults, repeated ones as tuples, messages as (role, content, name,
-    tool_call_id, tool_calls) tuples with tool_calls as (id, name, arguments) triples."""
+    tool_call_id, tool_calls, reasoning) tuples with tool_calls as (id, name, arguments) triples."""
     return dict(
         prompt=message.prompt,
         prompt_ids=tuple(message.prompt_ids),
         messages=tuple(
-            (m.role, m.content, m.name, m.tool_call_id, tuple((c.id, c.name, c.arguments) for c in m.tool_calls))
+            (
+                m.role,
+                m.content,
+                m.name,
+                m.tool_call_id,
+                tuple((c.id, c.name, c.arguments) for c in m.tool_calls),
+                m.reasoning,
+            )
             for m in message.messages
         ),
         max_tokens=message.max_tokens,
@@ -244,4 +267,7 @@ def fields_of(message) -> dict:
         context_ids=tuple(message.context_ids),
         return_prompt_ids=message.return_prompt_ids,
         adapter=message.adapter,
+        think=message.think,
+        reasoning_budget=message.reasoning_budget if message.HasField("reasoning_budget") else None,
+        reasoning_effort=message.reasoning_effort,
     )

@@ -36,6 +36,7 @@ from .defaults import (
     DTYPES,
     MAX_NUM_DRAFT_TOKENS,
 )
+from .reasoning import FORMATS as REASONING_FORMATS
 from .tool_calls import FORMATS as TOOL_FORMATS
 
 DRAFTERS = ("model", "ngram", "none")
@@ -338,6 +339,12 @@ class RunnerSettings:
         "LoRA adapters over the target, chosen per request (model NAME:ADAPTER): in the config a table "
         '{name = "folder or org/repo"}; on the command line name=folder,name=folder (runner/adapters.py)',
     )
+    reasoning_format: str = setting(
+        "auto",
+        "str",
+        'how the model\'s reasoning is kept apart from its answer: "auto" (recognised from the chat template), '
+        '"think" (<think> blocks), "harmony" (gpt-oss\'s channels) or "none" (its reasoning is part of the answer)',
+    )
     tool_format: str = setting(
         "",
         "str",
@@ -410,6 +417,11 @@ class RunnerSettings:
             raise SettingsError("max_batch", "must be at least 1")
         if self.stall_after <= 0:
             raise SettingsError("stall_after", "must be positive")
+        if self.reasoning_format not in ("auto", "none", *REASONING_FORMATS):
+            raise SettingsError(
+                "reasoning_format",
+                f"{self.reasoning_format!r} is not one of auto, none, {', '.join(REASONING_FORMATS)}",
+            )
         if self.tool_format and self.tool_format not in TOOL_FORMATS:
             raise SettingsError("tool_format", f"{self.tool_format!r} is not one of {', '.join(TOOL_FORMATS)}")
 

@@ -285,6 +285,8 @@ class ConstraintBroken(InvalidRequest):
 class Constraint:
     """One request's grammar state."""
 
+    spent = False  # never: it holds the answer to its end (runner.thinking's phase is spent once it answers)
+
     def __init__(self, matcher, vocab_size: int, forcing: bool = True, numbers=None, digits=None):
         self.matcher = matcher
         self.vocab_size = vocab_size

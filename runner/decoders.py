@@ -195,6 +195,8 @@ class Decoder:
         self.tokens += tokens
         self.pending = tokens[-1]
         self.held = len(self.tokens) - 1
+        if self.constraint is not None and self.constraint.spent:  # a reasoning phase with no grammar after it
+            self.constraint = None
 
     @property
     def drafter_name(self) -> str:

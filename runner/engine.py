@@ -31,6 +31,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from common.defaults import DEFAULT_NUM_DRAFT_TOKENS
 from common.errors import InvalidRequest, ModelLoadError, TokenizerMismatch
 from common.footprint import ModelFootprint, default_prompt_cache_bytes, resolve_dtype
+from common.reasoning import detect as detect_reasoning
+from common.reasoning import of_setting
 from common.settings import CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED, RunnerSettings, adapter_folders
 from common.tool_calls import detect
 
@@ -92,6 +94,20 @@ class Released:
     cooled_bytes: int = 0  # what that saved
 
 
+def reasoning_of(tokenizer):
+    """The reasoning format the tokenizer's chat template writes (common.reasoning.detect), or None."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or not getattr(tokenizer, "has_chat_template", False):
+        return None
+    try:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+        )
+    except Exception:  # noqa: BLE001 - a template that needs more than one message: the template's text alone
+        prompt = ""
+    return detect_reasoning(template, prompt if isinstance(prompt, str) else "")
+
+
 class Engine:
     """A loaded target (and optional draft), its drafters, depth controllers and prompt cache; ``generate``
     runs one request alone (``runner.worker`` interleaves and batches them)."""
@@ -118,6 +134,8 @@ class Engine:
         # generic layout (common.tool_calls).
         template = getattr(self.tokenizer, "chat_template", None)
         self.tool_format = settings.tool_format or detect(template if isinstance(template, str) else None) or "generic"
+        # How its reasoning is kept apart from its answer (common.reasoning): the setting, else the template's.
+        self.reasoning = of_setting(settings.reasoning_format, reasoning_of(self.tokenizer))
         self.device = device_name()
         self.dtype_reason = dtype_reason or f"dtype = {target.dtype!r}"
         self.cache_limit = apply_cache_limit(settings.cache_limit)
@@ -371,6 +389,7 @@ class Engine:
             counting=counting,
             max_output_tokens=self.settings.max_output_tokens,
             adapters=self.adapter_names,
+            reasoning=self.reasoning,
         )
 
     def target_model(self, adapter: int = 0):

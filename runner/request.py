@@ -14,6 +14,8 @@ import secrets
 from dataclasses import dataclass, fields
 
 from common.errors import ContextExceeded, InvalidRequest
+from common.reasoning import Plan, ReasoningFormat
+from common.reasoning import plan as reasoning_plan
 from common.requests import check_fields, template_kwargs
 from common.tool_calls import Tools, check_tools, conversation
 from common.tool_calls import grammar as tool_grammar
@@ -55,7 +57,7 @@ class GenerationRequest:
     num_draft_tokens: int | None = None  # None = the engine's setting; 0 = no drafting
     ignore_eos: bool = False
     request_id: str = ""
-    # (role, content[, name, tool_call_id, tool_calls]): laid out by the chat template (common.tool_calls)
+    # (role, content[, name, tool_call_id, tool_calls, reasoning]): laid out by the chat template (common.tool_calls)
     messages: tuple[tuple, ...] = ()
     chat_template_kwargs: str = ""  # a JSON object
     logprobs: bool = False
@@ -79,6 +81,9 @@ class GenerationRequest:
     context_ids: tuple[int, ...] = ()  # an earlier exchange's tokens, before the prompt (Ollama's context)
     return_prompt_ids: bool = False  # the first chunk carries the prompt's token ids
     adapter: str = ""  # a LoRA adapter of the model's (runner.adapters); "" = the base alone
+    think: str = ""  # a model that thinks (common.reasoning.plan): "on", "off", "" = its default
+    reasoning_budget: int | None = None  # the most reasoning tokens (its end forced there); None = unbounded
+    reasoning_effort: str = ""  # common.reasoning.EFFORTS
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,9 @@ class PreparedRequest:
     constraint: object = None  # runner.constraint.Constraint: the request's grammar state, or None
     tool_format: str = ""  # the answer is split into text and calls of this family (common.tool_calls); "" = not
     adapter: int = 0  # the request's LoRA adapter's index in the engine's (0: the base alone)
+    reasoning: ReasoningFormat | None = None  # its answer's reasoning is split from its content (a chat of a
+    # model that thinks apart: common.reasoning)
+    thinking: bool = False  # and it may reason (not switched off)
 
     @property
     def request_id(self) -> str:
@@ -105,22 +113,31 @@ class PreparedRequest:
 
 
 def chat_ids(
-    request: GenerationRequest, tokenizer, context_length: int, tools: Tools | None = None, tool_format: str = ""
+    request: GenerationRequest,
+    tokenizer,
+    context_length: int,
+    tools: Tools | None = None,
+    tool_format: str = "",
+    reasoning: Plan | None = None,
 ) -> list[int]:
     """The conversation laid out by the model's chat template, ready for the assistant's turn; with tools (or
-    earlier calls) laid out for the model's ``tool_format`` (``common.tool_calls.conversation``)."""
+    earlier calls) laid out for the model's ``tool_format`` (``common.tool_calls.conversation``); ``reasoning``:
+    what the request's switches ask of the template (its arguments, an empty block after the prompt)."""
     if not getattr(tokenizer, "has_chat_template", False):
         raise InvalidRequest("messages", "this model has no chat template: send a prompt instead")
     if sum(len(m[1]) for m in request.messages) + len(request.tools) > context_length * MAX_CHARS_PER_TOKEN:
         characters = sum(len(m[1]) for m in request.messages) + len(request.tools)
         raise ContextExceeded("messages", context_length, characters=characters)
-    kwargs = template_kwargs(request.chat_template_kwargs)
+    kwargs = reasoning.kwargs if reasoning is not None else template_kwargs(request.chat_template_kwargs)
     if tools is not None and (tools.functions or any(len(m) > 2 and (m[3] or m[4]) for m in request.messages)):
         messages = conversation(request.messages, tools, tool_format)
         if tool_format != "generic" and tools.functions:
             kwargs["tools"] = tools.definitions()
     else:
         messages = [{"role": m[0], "content": m[1]} for m in request.messages]
+    for message, entry in zip(request.messages, messages):  # an earlier turn's reasoning, as templates name it
+        if len(message) > 5 and message[5] and entry["role"] == "assistant":
+            entry["reasoning_content"] = entry["thinking"] = message[5]
     try:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
     except Exception as error:  # noqa: BLE001 - a template raises whatever it likes (jinja2, TypeError, ...)
@@ -131,6 +148,8 @@ def chat_ids(
             ids = tokenizer.apply_chat_template(folded, add_generation_prompt=True, tokenize=True, **kwargs)
         except Exception:  # noqa: BLE001
             raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
+    if reasoning is not None and reasoning.empty_block:  # thinking off for a model that cannot skip it
+        ids = list(ids) + list(tokenizer.encode(reasoning.empty_block, add_special_tokens=False))
     return [int(t) for t in ids]
 
 
@@ -172,9 +191,15 @@ def end_of_turn_ids(tokenizer) -> frozenset[int]:
 
 
 def prompt_ids_of(
-    request: GenerationRequest, tokenizer, vocab_size: int, context_length: int, tools=None, tool_format: str = ""
+    request: GenerationRequest,
+    tokenizer,
+    vocab_size: int,
+    context_length: int,
+    tools=None,
+    tool_format: str = "",
+    reasoning: Plan | None = None,
 ) -> list[int]:
-    ids = own_prompt_ids(request, tokenizer, vocab_size, context_length, tools, tool_format)
+    ids = own_prompt_ids(request, tokenizer, vocab_size, context_length, tools, tool_format, reasoning)
     if not request.context_ids:
         return ids
     context = [int(t) for t in request.context_ids]
@@ -195,10 +220,16 @@ def adds_bos(request: GenerationRequest, tokenizer) -> bool:
 
 
 def own_prompt_ids(
-    request: GenerationRequest, tokenizer, vocab_size: int, context_length: int, tools=None, tool_format: str = ""
+    request: GenerationRequest,
+    tokenizer,
+    vocab_size: int,
+    context_length: int,
+    tools=None,
+    tool_format: str = "",
+    reasoning: Plan | None = None,
 ) -> list[int]:
     if request.messages:
-        return chat_ids(request, tokenizer, context_length, tools, tool_format)
+        return chat_ids(request, tokenizer, context_length, tools, tool_format, reasoning)
     if request.prompt_ids:
         ids = [int(t) for t in request.prompt_ids]
         if any(t < 0 or t >= vocab_size for t in ids):
@@ -222,6 +253,7 @@ def prepare(
     counting: bool = False,
     max_output_tokens: int = 0,
     adapters: tuple[str, ...] = (),
+    reasoning: ReasoningFormat | None = None,
 ) -> PreparedRequest:
     """Validate (``common.requests.check_fields``: the same judge as the supervisor's) and tokenize ``request``
     once; raises InvalidRequest naming the field. ``tool_format``: how this model writes tool calls.
@@ -235,7 +267,22 @@ def prepare(
     if counting:
         context_length = COUNTING_CONTEXT
     tools = check_tools(request.tools, request.tool_choice, request.tool_name, request.parallel_tool_calls)
-    prompt_ids = prompt_ids_of(request, tokenizer, vocab_size, context_length, tools, tool_format)
+    asked = {
+        "think": request.think == "on",
+        "reasoning_budget": request.reasoning_budget is not None,
+        "reasoning_effort": request.reasoning_effort not in ("", "none"),
+    }
+    if not request.messages and any(asked.values()):
+        field = next(name for name, value in asked.items() if value)
+        raise InvalidRequest(field, "goes with messages (a chat): a prompt is the model's text as it is")
+    thinking = reasoning_plan(
+        reasoning if request.messages else None,
+        request.think,
+        request.reasoning_budget,
+        request.reasoning_effort,
+        template_kwargs(request.chat_template_kwargs),
+    )
+    prompt_ids = prompt_ids_of(request, tokenizer, vocab_size, context_length, tools, tool_format, thinking)
     if any(t >= vocab_size for t in request.resume_ids):
         raise InvalidRequest("resume_ids", f"token ids must lie in [0, {vocab_size})")
     prompt_ids = prompt_ids + list(request.resume_ids)  # a resumed answer goes on from its tokens
@@ -250,6 +297,8 @@ def prepare(
     constraint = grammars.constraint(request.grammar) if request.grammar else None
     if tools.calls:
         constraint = tool_constraint(grammars, tools, tool_format, request.request_id)
+    if thinking.thinking and reasoning.kind == "think" and (constraint is not None or thinking.budget is not None):
+        constraint = thinking_phase(tokenizer, reasoning, thinking.budget, constraint, vocab_size, grammars.forcing)
     k = default_num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
     asked = min(request.max_tokens, max_output_tokens) if max_output_tokens else request.max_tokens
     eos_ids = frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids)
@@ -269,7 +318,22 @@ def prepare(
         constraint=constraint,
         tool_format=tool_format if tools.calls else "",
         adapter=adapter_index(request.adapter, adapters),
+        reasoning=reasoning if request.messages else None,
+        thinking=thinking.thinking,
     )
+
+
+def thinking_phase(tokenizer, fmt: ReasoningFormat, budget: int | None, grammar, vocab_size: int, forcing: bool = True):
+    """The reasoning of a model that thinks in a block, held as a constraint (runner.thinking): its end forced
+    at ``budget`` (fed as certain drafts unless ``forcing`` is off: bench/reasoning.py compares), the request's
+    ``grammar`` (if any) on the answer after it."""
+    from .thinking import ThinkingPhase
+
+    start = list(tokenizer.encode(fmt.start, add_special_tokens=False))
+    end = list(tokenizer.encode(fmt.end, add_special_tokens=False))
+    phase = ThinkingPhase(grammar, start, end, budget, vocab_size, opened=fmt.opened)
+    phase.forcing = forcing
+    return phase
 
 
 def adapter_index(name: str, adapters: tuple[str, ...]) -> int:

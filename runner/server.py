@@ -31,6 +31,7 @@ from common.defaults import (
 )
 from common.errors import NotReady
 from common.protocol import runner_pb2, runner_pb2_grpc
+from common.reasoning import ReasoningSplitter
 from common.requests import FinishReason, fields_of
 from common.status import ServiceError, StatusInterceptor
 from common.tool_calls import ToolCallStream
@@ -77,16 +78,56 @@ def stats_to_proto(s: GenerationStats) -> runner_pb2.GenerationStats:
     )
 
 
-def chunk_to_proto(r: Round, tools: ToolCallStream | None = None) -> runner_pb2.GenerateChunk:
-    """A round as its chunk; with ``tools`` (a request whose answer may call tools), its text split into text
-    and tool-call deltas, and a stop after complete calls is TOOL_CALLS."""
-    text, deltas = r.text, []
-    if tools is not None:
-        text, deltas = tools.feed(r.text)
-        if r.finish_reason is not None:
-            tail, more = tools.finish()
-            text, deltas = text + tail, deltas + more
-    chunk = runner_pb2.GenerateChunk(text=text, token_ids=r.token_ids, drafted=r.drafted, accepted=r.accepted)
+class AnswerSplit:
+    """A request's answer as its chunks carry it: its reasoning apart from its content (a model that thinks
+    before it answers: common.reasoning), and the content split into text and tool calls (common.tool_calls)."""
+
+    def __init__(self, prepared, tokenizer=None):
+        fmt = prepared.reasoning
+        self.reasoning = ReasoningSplitter(fmt, prepared.thinking) if fmt is not None else None
+        self.tools = ToolCallStream(prepared.tool_format) if prepared.tool_format else None
+        # The reasoning's tokens: those between the block's markers (counted once the answer is over).
+        self._end = (
+            [] if fmt is None or tokenizer is None else list(tokenizer.encode(fmt.end, add_special_tokens=False))
+        )
+        self._ids: list[int] = []
+        self.reasoning_tokens = 0
+
+    def feed(self, r: Round) -> tuple[str, str, list]:
+        """(reasoning, text, tool-call deltas) of a round; what was held back as well on the last one."""
+        reasoning, text, deltas = "", r.text, []
+        if self.reasoning is not None:
+            self._ids += r.token_ids
+            reasoning, text = self.reasoning.feed(r.text)
+            if r.finish_reason is not None:
+                more_reasoning, more_text = self.reasoning.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+                self.reasoning_tokens = self._count()
+        if self.tools is not None:
+            text, deltas = self.tools.feed(text)
+            if r.finish_reason is not None:
+                tail, more = self.tools.finish()
+                text, deltas = text + tail, deltas + more
+        return reasoning, text, deltas
+
+    def _count(self) -> int:
+        """Tokens of the answer's reasoning: up to its end marker, less a start marker the answer wrote itself;
+        all of it where the end never came; none where it never reasoned."""
+        if not self.reasoning.reasoning_chars and self.reasoning.state not in ("inside", "analysis"):
+            return 0
+        ids, end = self._ids, self._end
+        at = next((i for i in range(len(ids) - len(end) + 1) if end and ids[i : i + len(end)] == end), len(ids))
+        opened = self.reasoning.fmt.kind == "think" and not (self.reasoning.fmt.opened and self.reasoning.thinking)
+        return max(0, at - (1 if opened and at else 0))
+
+
+def chunk_to_proto(r: Round, split: AnswerSplit | None = None) -> runner_pb2.GenerateChunk:
+    """A round as its chunk; with ``split``, its text split into reasoning, text and tool-call deltas, and a stop
+    after complete calls is TOOL_CALLS."""
+    reasoning, text, deltas = split.feed(r) if split is not None else ("", r.text, [])
+    chunk = runner_pb2.GenerateChunk(
+        text=text, reasoning=reasoning, token_ids=r.token_ids, drafted=r.drafted, accepted=r.accepted
+    )
     for delta in deltas:
         chunk.tool_calls.add(index=delta.index, id=delta.id, name=delta.name, arguments=delta.arguments)
     for entries, field in ((r.logprobs, chunk.logprobs), (r.prompt_logprobs, chunk.prompt_logprobs)):
@@ -97,6 +138,7 @@ def chunk_to_proto(r: Round, tools: ToolCallStream | None = None) -> runner_pb2.
                 logprob=entry.logprob,
                 top=[runner_pb2.TopLogprob(token_id=t, token=text, logprob=v) for t, text, v in entry.top],
             )
+    tools = split.tools if split is not None else None
     if r.finish_reason is not None:
         chunk.finish_reason = r.finish_reason
         chunk.stop_sequence = r.stop_sequence
@@ -104,6 +146,8 @@ def chunk_to_proto(r: Round, tools: ToolCallStream | None = None) -> runner_pb2.
             chunk.finish_reason = FinishReason.TOOL_CALLS
     if r.stats is not None:
         chunk.stats.CopyFrom(stats_to_proto(r.stats))
+        if split is not None:
+            chunk.stats.reasoning_tokens = split.reasoning_tokens
     return chunk
 
 
@@ -196,11 +240,11 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             return
         job = worker.submit(prepared)
         context.add_callback(job.cancel)  # client gone or deadline passed
-        tools = ToolCallStream(prepared.tool_format) if prepared.tool_format else None
+        split = AnswerSplit(prepared, self.engine.tokenizer)
         first = True
         try:
             for round_ in job.results():
-                chunk = chunk_to_proto(round_, tools)
+                chunk = chunk_to_proto(round_, split)
                 if first:
                     chunk.prompt_tokens, first = len(prepared.prompt_ids), False
                     if request.return_prompt_ids:
@@ -247,7 +291,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
 
         context.add_callback(lambda: [job.cancel() for job in list(jobs)])
         start(0, worker.submit(first, on_prefilled=share))
-        tools = {i: ToolCallStream(first.tool_format) for i in range(n)} if first.tool_format else {}
+        splits = {i: AnswerSplit(first, self.engine.tokenizer) for i in range(n)}
         ended, sent_first = 0, False
         try:
             while ended < n:
@@ -257,7 +301,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
                     continue
                 if isinstance(item, BaseException):
                     raise item
-                chunk = chunk_to_proto(item, tools.get(index))
+                chunk = chunk_to_proto(item, splits[index])
                 chunk.choice = index
                 if not sent_first:
                     chunk.prompt_tokens, sent_first = len(first.prompt_ids), True
@@ -309,6 +353,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             adaptive_depth=engine.speculative and engine.settings.num_draft_tokens is None,
             max_draft_tokens=engine.settings.max_draft_tokens,
             max_output_tokens=engine.settings.max_output_tokens,
+            reasoning_format=engine.reasoning.kind if engine.reasoning is not None else "",
         )
         if engine.draft is not None:
             response.draft.CopyFrom(model_info(engine.draft))

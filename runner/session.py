@@ -21,10 +21,12 @@ end; the session never sees the engine.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from common.reasoning import answer_start as reasoning_answer_start
 from common.requests import FinishReason
 
 from .constraint import ConstraintBroken
@@ -54,7 +56,11 @@ class Session:
         self._decoder = decoder
         self._tokenizer = tokenizer
         self._keep = keep
-        self.stopping = StoppingCriteria(tokenizer, prepared.eos_ids, prepared.request.stop, prepared.max_tokens)
+        fmt = prepared.reasoning
+        answer_start = None if fmt is None else partial(reasoning_answer_start, fmt=fmt, thinking=prepared.thinking)
+        self.stopping = StoppingCriteria(
+            tokenizer, prepared.eos_ids, prepared.request.stop, prepared.max_tokens, answer_start
+        )
         if prepared.request.resume_ids:  # another runner's answer, going on
             self.stopping.prime(prepared.request.resume_ids, prepared.request.resume_text)
         self.schedule = schedule

@@ -51,11 +51,12 @@ class StopMatcher:
         self.matched = ""  # the stop string found
         self._longest = max((len(s) for s in self.stops), default=0)
 
-    def find(self, text: str, sent: int) -> int | None:
-        """Index where the earliest stop string starts, looking only at new text (``matched`` names it)."""
+    def find(self, text: str, sent: int, floor: int = 0) -> int | None:
+        """Index where the earliest stop string starts, looking only at new text from ``floor`` on (``matched``
+        names it)."""
         found = None
         for stop in self.stops:
-            index = text.find(stop, max(0, sent - len(stop) + 1))
+            index = text.find(stop, max(floor, sent - len(stop) + 1))
             if index != -1 and (found is None or index < found):
                 found, self.matched = index, stop
         return found
@@ -73,13 +74,17 @@ class StopMatcher:
 
 
 class TextStream:
-    """Feeds tokens one at a time; reports new text and whether a stop string was hit."""
+    """Feeds tokens one at a time; reports new text and whether a stop string was hit. ``answer_start``: for an
+    answer that may reason first (common.reasoning), where its answer starts in its text (None while it may
+    still be reasoning): stop strings apply to the answer only."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stops: tuple[str, ...] = (), answer_start=None):
         self._decoder = IncrementalDecoder(tokenizer)
         self._stops = StopMatcher(stops)
         self._sent = 0
         self.stopped = False
+        self._answer_start = answer_start
+        self._floor: int | None = None if answer_start is not None and self._stops.stops else 0
 
     def prime(self, tokens, sent: int) -> None:
         """Go on from an answer another runner started: its ``tokens``, of whose text ``sent`` characters went
@@ -111,7 +116,9 @@ class TextStream:
 
     def _release(self, final: bool) -> str:
         text = self._decoder.text
-        stop_at = self._stops.find(text, self._sent)
+        if self._floor is None:
+            self._floor = self._answer_start(text)
+        stop_at = None if self._floor is None else self._stops.find(text, self._sent, self._floor)
         if stop_at is not None:
             self.stopped = True
             end = stop_at

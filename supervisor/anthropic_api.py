@@ -29,6 +29,8 @@ own SDK no longer does); hints (``service_tier``, ``speed``, ``cache_control``,
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import secrets
 from typing import Any
@@ -52,7 +54,7 @@ from .http_common import (
     speculation,
     tool_calls,
 )
-from .http_errors import http_status
+from .http_errors import http_status, in_api_words
 from .protocol import supervisor_pb2
 
 FIRST_CHUNK_WAIT = 1.0  # seconds a stream waits for its first chunk before it starts (then errors are events)
@@ -68,11 +70,13 @@ ERROR_TYPES = {
     529: "overloaded_error",
 }
 # Fields that ask for what this server does not do: refused, never ignored (a value that asks for nothing passes).
-# "adaptive" thinking lets the model decide, so a model that does not reason serves it without thinking (Claude
-# Code sends it for every model); context_management's clear_thinking edits ask to drop earlier thinking, which
-# is never laid out again here. Other edits (clearing old tool results) would change the prompt: refused.
+# thinking: "enabled" (with its budget_tokens, enforced) and "disabled" switch a model that thinks (common.reasoning;
+# "enabled" is refused for a model that does not); "adaptive" lets the model decide, so a model that does not
+# reason serves it without thinking (Claude Code sends it for every model); context_management's clear_thinking
+# edits ask to drop earlier thinking, which the templates here drop anyway. Other edits (clearing old tool
+# results) would change the prompt: refused.
 NOT_HONOURED = {
-    "thinking": lambda v: isinstance(v, dict) and v.get("type") not in (None, "disabled", "adaptive"),
+    "thinking": lambda v: isinstance(v, dict) and v.get("type") not in (None, "disabled", "adaptive", "enabled"),
     "context_management": lambda v: (
         isinstance(v, dict)
         and any(
@@ -88,6 +92,7 @@ NOT_HONOURED = {
 def anthropic_error(error: ServiceError) -> tuple[int, dict]:
     """HTTP status and body in Anthropic's error shape; a full queue is Anthropic's 529 overloaded_error, which
     its clients retry after a while."""
+    error = in_api_words(error, {"think": ("thinking", "thinking"), "reasoning_budget": ("thinking", "thinking")})
     status = 529 if error.code == Code.RESOURCE_EXHAUSTED else http_status(error.code)
     kind = ERROR_TYPES.get(status, "api_error")
     message = error.message
@@ -160,7 +165,7 @@ class CountTokensRequest(Schema):
             if isinstance(message.content, str):
                 out.append((message.role, message.content, "", "", ()))
                 continue
-            texts, calls = [], []
+            texts, calls, thoughts = [], [], []
             for j, block in enumerate(message.content):
                 where = f"messages.{i}.content.{j}"
                 if block.type == "text":
@@ -177,14 +182,30 @@ class CountTokensRequest(Schema):
                     call_id = block.tool_use_id or ""
                     out.append(("tool", result, names.get(call_id, ""), call_id, ()))
                 elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
-                    continue  # an earlier turn's reasoning: not laid out again
+                    # An earlier turn's reasoning: its template decides whether it goes back (most drop it).
+                    thought = (block.model_extra or {}).get("thinking")
+                    if isinstance(thought, str):
+                        thoughts.append(thought)
                 else:
                     raise bad(
                         f"{where}: {block.type!r} blocks are not supported in a {message.role} message", "messages"
                     )
             if texts or calls:
-                out.append((message.role, "".join(texts), "", "", tuple(calls)))
+                out.append((message.role, "".join(texts), "", "", tuple(calls), "\n\n".join(thoughts)))
         return out
+
+    def thinking_fields(self) -> dict:
+        """``thinking`` as the runner's switches: "enabled" with its budget_tokens (enforced), "disabled", or
+        "adaptive" (the model's own default)."""
+        thinking = (self.model_extra or {}).get("thinking")
+        if not isinstance(thinking, dict) or thinking.get("type") in (None, "adaptive"):
+            return {}
+        if thinking["type"] == "disabled":
+            return {"think": "off"}
+        budget = thinking.get("budget_tokens")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise bad("thinking.budget_tokens: must be an integer >= 0", "thinking")
+        return {"think": "on", "reasoning_budget": budget}
 
     def tool_fields(self) -> dict:
         tools = []
@@ -215,7 +236,9 @@ class CountTokensRequest(Schema):
 
     def to_proto(self, **fields) -> supervisor_pb2.GenerateRequest:
         refuse_not_honoured(self.model_extra, NOT_HONOURED)
-        return build_request(self.model, {**fields, **self.tool_fields()}, self.conversation())
+        return build_request(
+            self.model, {**fields, **self.tool_fields(), **self.thinking_fields()}, self.conversation()
+        )
 
 
 class MessagesRequest(CountTokensRequest):
@@ -300,9 +323,17 @@ def message_body(model: str, message_id: str, content: list, last=None) -> dict:
     return body
 
 
+def signature(thinking: str) -> str:
+    """A thinking block's ``signature``, which Anthropic's clients keep and send back: here only a digest of its
+    text (an earlier turn's thinking is not laid out again, so nothing is checked against it)."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
+
+
 def whole(model: str, chunks: list) -> dict:
     text = "".join(c.text for c in chunks)
-    content = [{"type": "text", "text": text}] if text else []
+    reasoning = "".join(c.reasoning for c in chunks)
+    content = [{"type": "thinking", "thinking": reasoning, "signature": signature(reasoning)}] if reasoning else []
+    content += [{"type": "text", "text": text}] if text else []
     for call in tool_calls([d for c in chunks for d in c.tool_calls]):
         try:
             arguments = json.loads(call["function"]["arguments"] or "{}")
@@ -321,13 +352,20 @@ class BlockStream:
 
     def __init__(self):
         self.index = -1
-        self.open: str | None = None  # "text", or the id of the call whose block is open
+        self.open: str | None = None  # "thinking", "text", or the id of the call whose block is open
+        self.thinking = ""  # the thinking block's text, for its signature
 
     def _close(self) -> list[str]:
         if self.open is None:
             return []
+        events = []
+        if self.open == "thinking":  # its signature comes last, as Anthropic sends it
+            delta = {"type": "signature_delta", "signature": signature(self.thinking)}
+            events.append(
+                sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+            )
         self.open = None
-        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return events + [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def _start(self, block: dict, key: str) -> list[str]:
         events = self._close()
@@ -339,6 +377,14 @@ class BlockStream:
 
     def chunk(self, chunk) -> list[str]:
         events = []
+        if chunk.reasoning:
+            if self.open != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
+            self.thinking += chunk.reasoning
+            delta = {"type": "thinking_delta", "thinking": chunk.reasoning}
+            events.append(
+                sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+            )
         if chunk.text:
             if self.open != "text":
                 events += self._start({"type": "text", "text": ""}, "text")

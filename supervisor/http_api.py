@@ -97,7 +97,6 @@ NOT_HONOURED = {
     "modalities": lambda v: v not in (None, ["text"]),
     "web_search_options": lambda v: v is not None,
     "verbosity": lambda v: v not in (None, "medium"),  # GPT-5's answer-length switch: no model here is trained on it
-    "reasoning_effort": lambda v: v not in (None, "none"),  # no model here reasons apart yet (issue #38)
 }
 # Hints, accepted and documented (docs/clients.md): store and metadata (nothing is stored for later listing),
 # prompt_cache_key (the prompt cache finds a shared prefix by itself), safety_identifier, service_tier, user.
@@ -125,6 +124,10 @@ class ChatMessage(Schema):
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    # An assistant's earlier reasoning (DeepSeek's and vLLM's name; OpenRouter's ``reasoning``): its template
+    # decides whether it goes back into the prompt (most drop it).
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
 
     def calls(self) -> tuple:
         for call in self.tool_calls or ():
@@ -332,6 +335,10 @@ class ChatCompletionRequest(Sampling):
     tools: list[Any] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+    # A model that thinks (common.reasoning): OpenAI's effort ("none" turns it off; a budget for a model that
+    # thinks in a block), and this server's budget of reasoning tokens (its end forced there).
+    reasoning_effort: StrictStr | None = None
+    reasoning_budget: StrictInt | None = None
 
     def tool_fields(self) -> dict:
         """tools, tool_choice and parallel_tool_calls as the message takes them."""
@@ -359,10 +366,19 @@ class ChatCompletionRequest(Sampling):
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
             chat_template_kwargs=json.dumps(self.chat_template_kwargs) if self.chat_template_kwargs else "",
+            reasoning_effort=self.reasoning_effort or "",
+            reasoning_budget=self.reasoning_budget,
             **self.tool_fields(),
         )
         messages = [
-            ("system" if m.role == "developer" else m.role, m.text(), m.name or "", m.tool_call_id or "", m.calls())
+            (
+                "system" if m.role == "developer" else m.role,
+                m.text(),
+                m.name or "",
+                m.tool_call_id or "",
+                m.calls(),
+                m.reasoning_content or m.reasoning or "",
+            )
             for m in self.messages
         ]
         return self.build(fields, messages)
@@ -377,6 +393,10 @@ class CompletionRequest(Sampling):
     def to_proto(self) -> supervisor_pb2.GenerateRequest:
         if self.suffix:
             raise ServiceError(Code.INVALID_ARGUMENT, "suffix: not supported", "suffix")
+        for name in ("reasoning_effort", "reasoning_budget"):  # a prompt is the model's text as it is
+            if (self.model_extra or {}).get(name) not in (None, "none"):
+                message = f"{name}: goes with a chat (/v1/chat/completions), not a prompt"
+                raise ServiceError(Code.INVALID_ARGUMENT, message, name)
         fields = self.sampling_fields(16 if self.max_tokens is None else self.max_tokens)  # OpenAI's default
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -413,6 +433,7 @@ def usage(stats: runner_pb2.GenerationStats, completion_tokens: int | None = Non
         "completion_tokens": completion,
         "total_tokens": stats.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": stats.reasoning_tokens},
     }
 
 
@@ -480,6 +501,9 @@ class Answer:
         if self.chat:
             calls = tool_calls([d for c in chunks for d in c.tool_calls])
             choice["message"] = {"role": "assistant", "content": text if text or not calls else None}
+            reasoning = "".join(c.reasoning for c in chunks)
+            if reasoning:  # a model that thinks apart: its reasoning, as DeepSeek's, vLLM's and llama.cpp's APIs
+                choice["message"]["reasoning_content"] = reasoning
             if calls:
                 choice["message"]["tool_calls"] = calls
             choice["logprobs"] = {"content": chat_logprobs(entries)} if self.logprobs else None
@@ -523,11 +547,14 @@ class Answer:
         if chunk.HasField("stats"):
             self.finals[chunk.choice] = chunk.stats
         opening = self.echo and chunk.choice not in self.opened  # its echo goes out with its first chunk
-        if not chunk.text and finish is None and not chunk.logprobs and not chunk.tool_calls and not opening:
+        quiet = not chunk.text and not chunk.reasoning and not chunk.logprobs and not chunk.tool_calls
+        if quiet and finish is None and not opening:
             return None
         index = chunk.choice
         if self.chat:
             delta = {"content": chunk.text} if chunk.text else {}
+            if chunk.reasoning:
+                delta["reasoning_content"] = chunk.reasoning
             if chunk.tool_calls:
                 delta["tool_calls"] = tool_call_deltas(chunk.tool_calls)
             choice = {

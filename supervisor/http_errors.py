@@ -47,12 +47,30 @@ def http_status(code: grpc.StatusCode) -> int:
     return HTTP_STATUS.get(code, 500)
 
 
+def in_api_words(error: ServiceError, names: dict[str, tuple[str, str]]) -> ServiceError:
+    """``error`` naming the API's own field where the runner named its internal one: ``names`` maps an internal
+    field to (the API's param, the words its message starts with): Anthropic's ``thinking`` for ``think``."""
+    if error.param not in names or error.exceeded is not None:
+        return error
+    param, words = names[error.param]
+    message = error.message
+    if message.startswith(f"{error.param}:"):
+        message = words + message[len(error.param) :]
+    return ServiceError(error.code, message, param)
+
+
+# The Responses API's words for the internal reasoning switches (its reasoning object).
+RESPONSES_NAMES = {"reasoning_effort": ("reasoning", "reasoning.effort")}
+
+
 def openai_error(error: ServiceError, prompt_field: str | None = None) -> tuple[int, dict]:
     """HTTP status and body in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}. A prompt past
     the context is said as OpenAI says it (``code: "context_length_exceeded"``, "This model's maximum context
     length is ...", which LiteLLM and the agent frameworks recognise), naming ``prompt_field`` (the field of the
     request that held the prompt: ``messages``, ``prompt``, ``input``) where given."""
     status = http_status(error.code)
+    if prompt_field == "input":  # the Responses API
+        error = in_api_words(error, RESPONSES_NAMES)
     message, param, code = error.message, error.param, error.code.name.lower()
     exceeded = error.exceeded
     if exceeded is not None:

@@ -46,7 +46,7 @@ from common.status import Code, ServiceError
 
 from . import hub
 from .http_common import EventStream, Number, Schema, build_request, finite, log_refusal, tool_calls
-from .http_errors import http_status
+from .http_errors import http_status, in_api_words
 
 OLLAMA_VERSION = "0.12.0"  # the API level answered at /api/version (clients check it for features)
 MAX_TOKENS_UNSET = 2**31 - 1  # num_predict -1 or -2: until the model stops or the context is full
@@ -84,6 +84,7 @@ NOT_HERE = ("push", "create", "copy", "embed", "embeddings", "blobs")
 
 
 def ollama_error(error: ServiceError) -> tuple[int, dict]:
+    error = in_api_words(error, {name: ("think", "think") for name in ("think", "reasoning_effort")})
     if error.exceeded is not None:  # Ollama's words (as it answers with truncate false)
         exceeded = error.exceeded
         size = f"the available context size ({exceeded.context} tokens)"
@@ -144,7 +145,7 @@ class Message(Schema):
     images: list[Any] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: StrictStr | None = None
-    thinking: StrictStr | None = None  # an earlier turn's reasoning: not laid out again
+    thinking: StrictStr | None = None  # an earlier turn's reasoning: its template decides (most drop it)
 
 
 class OllamaRequest(Schema):
@@ -159,8 +160,6 @@ class OllamaRequest(Schema):
 
     def fields(self) -> dict:
         """The internal request's sampling fields from ``options``, ``format`` and Ollama's defaults."""
-        if self.think not in (None, False, "false", ""):
-            raise bad("think: this server's models do not reason apart; leave it out", "think")
         if self.logprobs:
             raise bad("logprobs: not supported on this API; use the OpenAI API's", "logprobs")
         options = dict(self.options or {})
@@ -203,8 +202,22 @@ class OllamaRequest(Schema):
             "frequency_penalty": options.get("frequency_penalty", 0.0),
             "max_context": max(options.get("num_ctx") or 0, 0),
             "grammar": self.grammar(),
+            **self.thinking_fields(),
             "defaulted": [name for name in ("temperature", "top_p", "top_k", "min_p") if name not in options],
         }
+
+    def thinking_fields(self) -> dict:
+        """``think`` as the runner's switches: true / false, or an effort ("low", "medium", "high")."""
+        think = self.think
+        if think in (None, ""):
+            return {}
+        if think in (True, "true"):
+            return {"think": "on"}
+        if think in (False, "false"):
+            return {"think": "off"}
+        if think in ("low", "medium", "high"):
+            return {"think": "on", "reasoning_effort": think}
+        raise bad(f'think: must be true, false, "low", "medium" or "high", not {think!r}', "think")
 
     def grammar(self) -> str:
         if self.format in (None, ""):
@@ -230,7 +243,9 @@ class ChatRequest(OllamaRequest):
                 arguments = call.function.arguments
                 text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
                 calls.append((f"call_{index}_{number}", call.function.name, text))
-            out.append((message.role, message.content, message.tool_name or "", "", tuple(calls)))
+            out.append(
+                (message.role, message.content, message.tool_name or "", "", tuple(calls), message.thinking or "")
+            )
         return out
 
     def to_proto(self):
@@ -474,6 +489,8 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
         capabilities = ["completion"]
         if info is not None and info.chat_template:
             capabilities.append("tools")  # a template without tool support gets the generic layout
+        if info is not None and info.reasoning_format:
+            capabilities.append("thinking")
         model_info = {}
         if info is not None:
             model_info = {
@@ -562,10 +579,15 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
         generation = supervisor.generate(proto, timeout=None)
         key = "message" if chat else "response"
 
-        def piece(text: str, calls=None) -> dict:
+        def piece(text: str, calls=None, thinking: str = "") -> dict:
             if not chat:
-                return {"model": body.model, "created_at": now(), "response": text, "done": False}
+                out = {"model": body.model, "created_at": now(), "response": text, "done": False}
+                if thinking:
+                    out["thinking"] = thinking
+                return out
             message = {"role": "assistant", "content": text}
+            if thinking:  # a model that thinks apart: its reasoning, as Ollama gives it
+                message["thinking"] = thinking
             if calls:
                 message["tool_calls"] = calls
             return {"model": body.model, "created_at": now(), "message": message, "done": False}
@@ -590,9 +612,13 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
             for chunk in chunks:
                 take(chunk)
             text = "".join(c.text for c in chunks)
+            thinking = "".join(c.reasoning for c in chunks)
             calls = ollama_calls([d for c in chunks for d in c.tool_calls]) if chat else []
             out = final(chunks[-1], time.perf_counter() - started)
-            out[key] = piece(text, calls)[key]
+            whole = piece(text, calls, thinking)
+            out[key] = whole[key]
+            if not chat and thinking:
+                out["thinking"] = thinking
             return out
 
         chunks = aiter(generation)
@@ -604,8 +630,8 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
                 while chunk is not None:
                     deltas += chunk.tool_calls
                     take(chunk)
-                    if chunk.text:
-                        yield json.dumps(piece(chunk.text), ensure_ascii=False) + "\n"
+                    if chunk.text or chunk.reasoning:
+                        yield json.dumps(piece(chunk.text, thinking=chunk.reasoning), ensure_ascii=False) + "\n"
                     if chunk.finish_reason:
                         if deltas and chat:  # calls whole, as Ollama sends them, before the end
                             yield json.dumps(piece("", ollama_calls(deltas)), ensure_ascii=False) + "\n"

@@ -56,10 +56,9 @@ NOT_HONOURED = {
     "prompt": lambda v: v is not None,
     "truncation": lambda v: v not in (None, "disabled"),
     "max_tool_calls": lambda v: v is not None,
-    # No reasoning here (yet): asking for none, or for none of it summarised, asks for nothing.
-    "reasoning": lambda v: (
-        isinstance(v, dict) and (v.get("effort") not in (None, "none") or v.get("summary") not in (None, "none"))
-    ),
+    # reasoning.effort switches a model that thinks (common.reasoning); its reasoning comes whole (a reasoning
+    # item's content), never summarised: "auto" leaves that to the server, a summary asked for is refused.
+    "reasoning": lambda v: isinstance(v, dict) and v.get("summary") not in (None, "none", "auto"),
 }
 # What ``include`` may ask for: the answer's logprobs (served), and reasoning's encrypted content (there is no
 # reasoning to include). The others are outputs of hosted tools, which are refused.
@@ -141,13 +140,18 @@ class ResponsesRequest(Schema):
         out = list(earlier)
         items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
         names = {call[0]: call[1] for message in out for call in message[4]}
+        thought = ""  # an earlier reasoning item's text: it goes with the assistant's turn after it
         for index, item in enumerate(items):
             kind = item.get("type", "message")
             if kind == "message":
                 role = item.get("role")
                 if role not in ("user", "assistant", "system", "developer"):
                     raise bad(f"input[{index}].role: {role!r} is not user, assistant, system or developer", "input")
-                out.append(("system" if role == "developer" else role, _text(item.get("content"), index), "", "", ()))
+                role = "system" if role == "developer" else role
+                out.append(
+                    (role, _text(item.get("content"), index), "", "", (), thought if role == "assistant" else "")
+                )
+                thought = "" if role == "assistant" else thought
             elif kind == "function_call":
                 call_id, name = item.get("call_id"), item.get("name")
                 if (
@@ -161,14 +165,18 @@ class ResponsesRequest(Schema):
                 if out and out[-1][0] == "assistant" and out[-1][4] and not out[-1][1]:  # calls of one turn
                     out[-1] = out[-1][:4] + (out[-1][4] + (call,),)
                 else:
-                    out.append(("assistant", "", "", "", (call,)))
+                    out.append(("assistant", "", "", "", (call,), thought))
+                    thought = ""
             elif kind == "function_call_output":
                 call_id, output = item.get("call_id"), item.get("output")
                 if not isinstance(call_id, str) or not isinstance(output, str):
                     raise bad(f"input[{index}]: a function_call_output needs call_id and output (text)", "input")
                 out.append(("tool", output, names.get(call_id, ""), call_id, ()))
             elif kind == "reasoning":
-                continue
+                parts = item.get("content") or []
+                thought += "".join(
+                    p.get("text", "") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
             else:
                 raise bad(f"input[{index}]: items of type {kind!r} are not supported", "input")
         return out
@@ -213,6 +221,14 @@ class ResponsesRequest(Schema):
             return json.dumps({"json_schema": form["schema"]})
         raise bad("text.format: must be text, json_object or json_schema with a schema", "text")
 
+    def effort(self) -> str:
+        """``reasoning.effort`` (common.reasoning.EFFORTS; checked by check_fields), "" when not given."""
+        reasoning = (self.model_extra or {}).get("reasoning")
+        effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+        if effort is not None and not isinstance(effort, str):
+            raise bad("reasoning.effort: must be a string", "reasoning")
+        return effort or ""
+
     def to_proto(self, earlier: list) -> tuple[Any, list]:
         refuse_not_honoured(self.model_extra, NOT_HONOURED)
         for index, value in enumerate(self.include or ()):
@@ -232,6 +248,7 @@ class ResponsesRequest(Schema):
             "defaulted": left_out(temperature=self.temperature, top_p=self.top_p),
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs or 0,
+            "reasoning_effort": self.effort(),
             **self.tool_fields(),
         }
         return build_request(self.model, fields, messages), conversation
@@ -265,6 +282,8 @@ class Answer:
         self.id = "resp_" + secrets.token_hex(12)
         self.created = int(time.time())
         self.message_id = "msg_" + secrets.token_hex(12)
+        self.reasoning_id = "rs_" + secrets.token_hex(12)
+        self.reasoning = ""  # a model that thinks apart: its reasoning, a reasoning item before the message
         self.text = ""
         self.calls: list[dict] = []  # {"id", "call_id", "name", "arguments"}
         self.logprobs: list[dict] = []  # the text's tokens' logprobs (include message.output_text.logprobs)
@@ -278,14 +297,20 @@ class Answer:
     def call_item(self, call: dict, status: str) -> dict:
         return {"type": "function_call", "status": status, **call}
 
+    def reasoning_item(self, status: str) -> dict:
+        part = {"type": "reasoning_text", "text": self.reasoning}
+        return {"type": "reasoning", "id": self.reasoning_id, "status": status, "summary": [], "content": [part]}
+
     def status_of(self, item_index: int) -> str:
         """An output item's status once the answer ended: the last one of a response cut short is incomplete (a
         function call with half its arguments, as OpenAI marks it), the others completed."""
-        last = len(self.calls) if self.text else len(self.calls) - 1
+        last = bool(self.reasoning) + bool(self.text) + len(self.calls) - 1
         return "incomplete" if self.incomplete and item_index == last else "completed"
 
     def output(self) -> list[dict]:
-        items = [self.message_item(self.status_of(0))] if self.text else []
+        items = [self.reasoning_item(self.status_of(0))] if self.reasoning else []
+        if self.text:
+            items.append(self.message_item(self.status_of(len(items))))
         first = len(items)
         return items + [self.call_item(call, self.status_of(first + i)) for i, call in enumerate(self.calls)]
 
@@ -307,7 +332,7 @@ class Answer:
                 "input_tokens": s.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": s.cached_tokens},
                 "output_tokens": s.generated_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": s.reasoning_tokens},
                 "total_tokens": s.prompt_tokens + s.generated_tokens,
             }
         out = {
@@ -338,6 +363,7 @@ class Answer:
         return out
 
     def take_whole(self, chunks: list) -> None:
+        self.reasoning = "".join(c.reasoning for c in chunks)
         self.text = "".join(c.text for c in chunks)
         if self.request.logprobs:
             self.logprobs = chat_logprobs([e for c in chunks for e in c.logprobs])
@@ -351,7 +377,7 @@ class Answer:
     def conversation_after(self, conversation: list) -> list:
         """The conversation a continuation starts from: this one's input, then its answer."""
         calls = tuple((c["call_id"], c["name"], c["arguments"]) for c in self.calls)
-        return conversation + [("assistant", self.text, "", "", calls)]
+        return conversation + [("assistant", self.text, "", "", calls, self.reasoning)]
 
     # -- streaming events --
 
@@ -398,7 +424,20 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
         async def events():
             yield answer.event("response.created", response=answer.body())
             yield answer.event("response.in_progress", response=answer.body())
-            chunk, index, message_open, call = first, 0, False, None
+            chunk, index, message_open, call, reasoning_open = first, 0, False, None, False
+
+            def close_reasoning():
+                item = answer.reasoning_item(answer.status_of(index))
+                return [
+                    answer.event(
+                        "response.reasoning_text.done",
+                        item_id=answer.reasoning_id,
+                        output_index=index,
+                        content_index=0,
+                        text=answer.reasoning,
+                    ),
+                    answer.event("response.output_item.done", output_index=index, item=item),
+                ]
 
             def close_message():
                 item = answer.message_item(answer.status_of(index))
@@ -437,6 +476,25 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
 
             try:
                 while chunk is not None:
+                    if chunk.reasoning:  # a model that thinks apart: a reasoning item first
+                        if not reasoning_open:
+                            reasoning_open = True
+                            item = answer.reasoning_item("in_progress")
+                            yield answer.event("response.output_item.added", output_index=index, item=item)
+                        answer.reasoning += chunk.reasoning
+                        yield answer.event(
+                            "response.reasoning_text.delta",
+                            item_id=answer.reasoning_id,
+                            output_index=index,
+                            content_index=0,
+                            delta=chunk.reasoning,
+                        )
+                    if reasoning_open and (chunk.text or chunk.tool_calls or chunk.finish_reason):
+                        if chunk.finish_reason and not (chunk.text or chunk.tool_calls):
+                            answer.finish(chunk)
+                        for event in close_reasoning():
+                            yield event
+                        reasoning_open, index = False, index + 1
                     if chunk.text:
                         if not message_open:
                             message_open = True

@@ -101,3 +101,51 @@ def split(fmt: ReasoningFormat, parts: list[str], thinking: bool = True) -> tupl
 def test_an_answer_splits_the_same_whatever_pieces_it_streams_in(fmt, text, expected):
     for size in (1, 2, 3, 5, 8, len(text)):
         assert split(fmt, pieces(text, size)) == expected, size
+
+
+def test_each_switch_asks_the_template_or_the_prompt_what_its_model_needs():
+    from common.errors import InvalidRequest
+    from common.reasoning import Plan, plan
+
+    qwen3 = detect(QWEN3, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    r1 = detect(DEEPSEEK_R1, DEEPSEEK_R1_GENERATION)
+    harmony = detect(GPT_OSS)
+    assert plan(qwen3) == Plan(True)  # the model's default
+    assert plan(qwen3, think="off") == Plan(False, kwargs={"enable_thinking": False})
+    assert plan(qwen3, effort="none").thinking is False
+    assert plan(qwen3, kwargs={"enable_thinking": False}).thinking is False  # the template's own switch
+    assert plan(qwen3, think="on", budget=7) == Plan(True, 7, {"enable_thinking": True})
+    assert plan(qwen3, effort="low").budget == 1024 and plan(qwen3, effort="high").budget is None
+    # A template that opens the block and cannot be switched: the block closed, empty, after the prompt.
+    assert plan(r1, think="off") == Plan(False, empty_block="\n</think>\n\n")
+    assert plan(of_setting("think", None), think="off").empty_block == "<think>\n\n</think>\n\n"
+    assert plan(harmony, effort="minimal").kwargs == {"reasoning_effort": "low"}
+    for fmt, fields, named in (
+        (None, {"think": "on"}, "think"),
+        (None, {"budget": 3}, "reasoning_budget"),
+        (None, {"effort": "low"}, "reasoning_effort"),
+        (harmony, {"think": "off"}, "think"),
+        (harmony, {"budget": 3}, "reasoning_budget"),
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            plan(fmt, **fields)
+        assert refused.value.field == named
+    assert plan(None, think="off") == Plan(False) and plan(None, effort="none") == Plan(False)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "thinking", "text", "start"),
+    [
+        (ReasoningFormat("think"), True, "<think>\nstop here\n</think>\n\nanswer", len("<think>\nstop here\n</think>")),
+        (ReasoningFormat("think"), True, "<thi", None),  # may still open a block
+        (ReasoningFormat("think"), True, "  <think>\nstill thinking", None),
+        (ReasoningFormat("think"), True, "no block", 0),
+        (ReasoningFormat("think", opened=True), True, "thinking", None),
+        (ReasoningFormat("think", opened=True), True, "thought</think>\n\nanswer", len("thought</think>")),
+        (ReasoningFormat("think", opened=True), False, "answer", 0),  # switched off: an empty block was prompted
+    ],
+)
+def test_the_answer_starts_after_the_block(fmt, thinking, text, start):
+    from common.reasoning import answer_start
+
+    assert answer_start(text, fmt, thinking) == start
