@@ -30,6 +30,7 @@ EFFORTS = ("none", "minimal", "low", "medium", "high")  # a request's reasoning_
 EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": None}
 HARMONY_CHANNEL, HARMONY_MESSAGE = "<|channel|>", "<|message|>"
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+HARMONY_FINAL = HARMONY_CHANNEL + "final" + HARMONY_MESSAGE  # the answer's header: what follows is the answer
 
 
 @dataclass(frozen=True)

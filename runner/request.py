@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass, fields
 
 from common.errors import ContextExceeded, InvalidRequest
-from common.reasoning import Plan, ReasoningFormat
+from common.reasoning import HARMONY_FINAL, Plan, ReasoningFormat
 from common.reasoning import plan as reasoning_plan
 from common.requests import check_fields, template_kwargs
 from common.tool_calls import Tools, check_tools, conversation
@@ -181,13 +181,16 @@ def fold_system_messages(messages: list[dict]) -> list[dict] | None:
     return [m for m in out if m is not None]
 
 
-def end_of_turn_ids(tokenizer) -> frozenset[int]:
-    """Tokens the chat template ends a turn with (for SmolLM2 ``<|im_end|>``)."""
+def end_of_turn_ids(tokenizer, harmony: bool = False) -> frozenset[int]:
+    """Tokens the chat template ends a turn with (for SmolLM2 ``<|im_end|>``). In harmony's format (gpt-oss)
+    ``<|end|>`` ends one message of the turn (its analysis), not the turn: its ends are EOS tokens of its own
+    (``<|return|>``, ``<|call|>``)."""
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):
         return frozenset()
     vocab = tokenizer.get_vocab()
-    return frozenset(vocab[token] for token in END_OF_TURN if token in template and token in vocab)
+    ends = [token for token in END_OF_TURN if not (harmony and token == "<|end|>")]
+    return frozenset(vocab[token] for token in ends if token in template and token in vocab)
 
 
 def prompt_ids_of(
@@ -297,13 +300,13 @@ def prepare(
     constraint = grammars.constraint(request.grammar) if request.grammar else None
     if tools.calls:
         constraint = tool_constraint(grammars, tools, tool_format, request.request_id)
-    if thinking.thinking and reasoning.kind == "think" and (constraint is not None or thinking.budget is not None):
+    if thinking.thinking and (constraint is not None or thinking.budget is not None):
         constraint = thinking_phase(tokenizer, reasoning, thinking.budget, constraint, vocab_size, grammars.forcing)
     k = default_num_draft_tokens if request.num_draft_tokens is None else request.num_draft_tokens
     asked = min(request.max_tokens, max_output_tokens) if max_output_tokens else request.max_tokens
     eos_ids = frozenset() if request.ignore_eos else frozenset(tokenizer.eos_token_ids)
     if request.messages and not request.ignore_eos:
-        eos_ids |= end_of_turn_ids(tokenizer)
+        eos_ids |= end_of_turn_ids(tokenizer, harmony=reasoning is not None and reasoning.kind == "harmony")
     return PreparedRequest(
         request=request,
         prompt_ids=prompt_ids,
@@ -329,9 +332,13 @@ def thinking_phase(tokenizer, fmt: ReasoningFormat, budget: int | None, grammar,
     ``grammar`` (if any) on the answer after it."""
     from .thinking import ThinkingPhase
 
-    start = list(tokenizer.encode(fmt.start, add_special_tokens=False))
-    end = list(tokenizer.encode(fmt.end, add_special_tokens=False))
-    phase = ThinkingPhase(grammar, start, end, budget, vocab_size, opened=fmt.opened)
+    if fmt.kind == "harmony":  # free until the final channel opens (budgets are refused for harmony: plan)
+        start, end = [], list(tokenizer.encode(HARMONY_FINAL, add_special_tokens=False))
+        phase = ThinkingPhase(grammar, start, end, None, vocab_size, opened=True)
+    else:
+        start = list(tokenizer.encode(fmt.start, add_special_tokens=False))
+        end = list(tokenizer.encode(fmt.end, add_special_tokens=False))
+        phase = ThinkingPhase(grammar, start, end, budget, vocab_size, opened=fmt.opened)
     phase.forcing = forcing
     return phase
 

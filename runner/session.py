@@ -58,8 +58,9 @@ class Session:
         self._keep = keep
         fmt = prepared.reasoning
         answer_start = None if fmt is None else partial(reasoning_answer_start, fmt=fmt, thinking=prepared.thinking)
+        harmony = fmt is not None and fmt.kind == "harmony"  # its channel markers are special tokens: kept as text
         self.stopping = StoppingCriteria(
-            tokenizer, prepared.eos_ids, prepared.request.stop, prepared.max_tokens, answer_start
+            tokenizer, prepared.eos_ids, prepared.request.stop, prepared.max_tokens, answer_start, harmony
         )
         if prepared.request.resume_ids:  # another runner's answer, going on
             self.stopping.prime(prepared.request.resume_ids, prepared.request.resume_text)

@@ -26,13 +26,19 @@ class Decision:
 
 class StoppingCriteria:
     def __init__(
-        self, tokenizer, eos_ids: frozenset[int] | set[int], stop: tuple[str, ...], max_tokens: int, answer_start=None
+        self,
+        tokenizer,
+        eos_ids: frozenset[int] | set[int],
+        stop: tuple[str, ...],
+        max_tokens: int,
+        answer_start=None,
+        keep_special: bool = False,
     ):
         """``answer_start``: where the answer starts in the text of one that may reason first (stop strings apply
-        to the answer only: runner.text.TextStream)."""
+        to the answer only: runner.text.TextStream); ``keep_special``: special tokens are text (harmony's)."""
         self.eos_ids = eos_ids
         self.max_tokens = max_tokens
-        self.text = TextStream(tokenizer, stop, answer_start)
+        self.text = TextStream(tokenizer, stop, answer_start, keep_special)
         self.count = 0  # tokens emitted
 
     def __call__(self, token: int) -> Decision:

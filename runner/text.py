@@ -18,8 +18,9 @@ class IncrementalDecoder:
     BPE and sentencepiece alike, since it asks the tokenizer itself.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special: bool = True):
         self._decode = tokenizer.decode
+        self._skip = skip_special
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -28,8 +29,8 @@ class IncrementalDecoder:
     def add(self, token: int) -> None:
         self._ids.append(token)
         window = self._ids[self._prefix :]
-        before = self._decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
-        after = self._decode(window, skip_special_tokens=True)
+        before = self._decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        after = self._decode(window, skip_special_tokens=self._skip)
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.text += after[len(before) :]
             self._prefix = self._read
@@ -37,8 +38,8 @@ class IncrementalDecoder:
 
     def finish(self) -> None:
         """Flush whatever is pending (an incomplete character becomes U+FFFD)."""
-        before = self._decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
-        after = self._decode(self._ids[self._prefix :], skip_special_tokens=True)
+        before = self._decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        after = self._decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
         self.text += after[len(before) :]
         self._prefix = self._read = len(self._ids)
 
@@ -78,8 +79,9 @@ class TextStream:
     answer that may reason first (common.reasoning), where its answer starts in its text (None while it may
     still be reasoning): stop strings apply to the answer only."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...] = (), answer_start=None):
-        self._decoder = IncrementalDecoder(tokenizer)
+    def __init__(self, tokenizer, stops: tuple[str, ...] = (), answer_start=None, keep_special: bool = False):
+        """``keep_special``: special tokens are text too (gpt-oss's harmony channels, which split its answer)."""
+        self._decoder = IncrementalDecoder(tokenizer, skip_special=not keep_special)
         self._stops = StopMatcher(stops)
         self._sent = 0
         self.stopped = False

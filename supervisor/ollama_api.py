@@ -80,11 +80,18 @@ NOT_HONOURED = {
 }
 TAKEN = {"temperature", "top_k", "top_p", "min_p", "seed", "num_predict", "stop", "num_ctx"}
 TAKEN |= {"repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n"}
+TAKEN |= {"reasoning_budget"}  # this server's: the most reasoning tokens of a model that thinks (its end forced)
 NOT_HERE = ("push", "create", "copy", "embed", "embeddings", "blobs")
 
 
 def ollama_error(error: ServiceError) -> tuple[int, dict]:
-    error = in_api_words(error, {name: ("think", "think") for name in ("think", "reasoning_effort")})
+    error = in_api_words(
+        error,
+        {
+            **{name: ("think", "think") for name in ("think", "reasoning_effort")},
+            "reasoning_budget": ("options", "options.reasoning_budget"),
+        },
+    )
     if error.exceeded is not None:  # Ollama's words (as it answers with truncate false)
         exceeded = error.exceeded
         size = f"the available context size ({exceeded.context} tokens)"
@@ -184,7 +191,7 @@ class OllamaRequest(Schema):
                     finite(options[key])
                 except ValueError as error:
                     raise bad(f"options.{key}: {error}", "options") from None
-        for key in ("top_k", "seed", "num_predict", "num_ctx"):
+        for key in ("top_k", "seed", "num_predict", "num_ctx", "reasoning_budget"):
             if key in options and (isinstance(options[key], bool) or not isinstance(options[key], int)):
                 raise bad(f"options.{key}: must be an integer", "options")
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -203,6 +210,7 @@ class OllamaRequest(Schema):
             "max_context": max(options.get("num_ctx") or 0, 0),
             "grammar": self.grammar(),
             **self.thinking_fields(),
+            **({"reasoning_budget": options["reasoning_budget"]} if "reasoning_budget" in options else {}),
             "defaulted": [name for name in ("temperature", "top_p", "top_k", "min_p") if name not in options],
         }
 

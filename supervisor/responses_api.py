@@ -130,6 +130,7 @@ class ResponsesRequest(Schema):
     user: StrictStr | None = None
     include: list[StrictStr] | None = None
     top_logprobs: StrictInt | None = None
+    reasoning_budget: StrictInt | None = None  # this server's: the most reasoning tokens (its end forced)
 
     @property
     def logprobs(self) -> bool:
@@ -249,6 +250,7 @@ class ResponsesRequest(Schema):
             "logprobs": self.logprobs,
             "top_logprobs": self.top_logprobs or 0,
             "reasoning_effort": self.effort(),
+            "reasoning_budget": self.reasoning_budget,
             **self.tool_fields(),
         }
         return build_request(self.model, fields, messages), conversation

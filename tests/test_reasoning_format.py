@@ -149,3 +149,57 @@ def test_the_answer_starts_after_the_block(fmt, thinking, text, start):
     from common.reasoning import answer_start
 
     assert answer_start(text, fmt, thinking) == start
+
+
+def harmony_tokenizer():
+    """A tokenizer with harmony's special tokens (models/reasoning's BPE, with gpt-oss's markers added as special
+    tokens, as o200k_harmony has them) and gpt-oss's template: no gpt-oss checkpoint can be had here."""
+    from pathlib import Path
+
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(__file__).resolve().parents[1] / "models" / "reasoning"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    markers = ["<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>", "<|call|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": markers})
+    tokenizer.chat_template = GPT_OSS
+    return tokenizer
+
+
+def test_a_harmony_answer_keeps_its_channels_as_text_and_splits_stop_strings_on_the_final_one():
+    """The runner's text stream keeps harmony's markers (special tokens) for the splitter, stop strings look at the
+    final channel only, and ``<|end|>`` (the end of the analysis message) does not end the turn."""
+    from common.reasoning import answer_start
+    from runner.request import end_of_turn_ids
+    from runner.stopping import StoppingCriteria
+
+    tokenizer = harmony_tokenizer()
+    fmt = detect(GPT_OSS)
+    analysis, final = "The user adds 12 and 7, which is 19.", "It is 19."
+    text = f"<|channel|>analysis<|message|>{analysis}<|end|><|start|>assistant<|channel|>final<|message|>{final}"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+
+    def stream(stop=(), keep_special=True):
+        criteria = StoppingCriteria(
+            tokenizer, frozenset(), stop, 1000, lambda t: answer_start(t, fmt), keep_special=keep_special
+        )
+        out = []
+        for token in ids:
+            decision = criteria(token)
+            out.append(decision.text)
+            if decision.finish_reason is not None:
+                return "".join(out)
+        return "".join(out) + criteria.finish()
+
+    def split(streamed):
+        splitter = ReasoningSplitter(fmt)
+        reasoning, content = splitter.feed(streamed)
+        more_reasoning, more_content = splitter.finish()
+        return reasoning + more_reasoning, content + more_content
+
+    assert split(stream()) == (analysis, final)
+    assert split(stream(stop=("which",))) == (analysis, final)  # only in the analysis: no stop
+    assert split(stream(stop=("19.",)))[1] == "It is "  # in the final channel: it stops there
+    assert "<|channel|>" not in stream(keep_special=False)  # why the stream keeps them for harmony
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert end in end_of_turn_ids(tokenizer) and end not in end_of_turn_ids(tokenizer, harmony=True)
