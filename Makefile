@@ -10,7 +10,7 @@ WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
 DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 MLX_BACKEND ?= $(if $(DRIVER),$(if $(shell [ $(DRIVER) -ge 580 ] && echo y),cuda13,cuda12),cpu)
 
-.PHONY: install proto lint format test bench models reasoning-model real-model vocabularies clients run clean
+.PHONY: install proto lint format test bench models reasoning-model real-model vocabularies vision-model clients run clean
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,11 @@ real-model: install
 vocabularies: install
 	$(BIN)/python models/gguf_vocabs.py
 
+# A tiny SmolVLM with random weights (SmolLM2's tokenizer, SmolVLM's processor and template) into models/vision,
+# for issue #39's tests (seconds).
+vision-model: install real-model
+	$(BIN)/python models/train_vision.py
+
 # The clients the tests run that are not Python packages: Claude Code from npm, into .clients (outside git).
 CLAUDE_CODE := @anthropic-ai/claude-code@2.1.197
 clients: .clients/.installed
@@ -53,10 +58,10 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: install lint real-model vocabularies clients
+test: install lint real-model vocabularies vision-model clients
 	$(WITH_BLAS) $(BIN)/python -m pytest -q
 
-bench: install real-model
+bench: install real-model vision-model
 	$(WITH_BLAS) $(BIN)/python -m bench
 
 models: install

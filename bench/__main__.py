@@ -31,6 +31,7 @@ SECTIONS = (
     "pull",
     "adapters",
     "reasoning",
+    "vision",
 )
 
 PAGE_HEADER = """# Benchmarks

@@ -99,7 +99,7 @@ def check_fields(
     reasoning_effort: str = "",
 ) -> None:
     """Raise InvalidRequest naming the first field out of range. ``messages``: (role, content) pairs, or
-    (role, content, name, tool_call_id, tool_calls[, reasoning]) tuples (``common.tool_calls.check_history``);
+    (role, content, name, tool_call_id, tool_calls[, reasoning, images]) tuples (``common.tool_calls.check_history``);
     ``chat_template_kwargs``: a JSON object, as text; ``tools``: OpenAI's list of tools, as JSON text; ``think``,
     ``reasoning_budget`` and ``reasoning_effort``: a model that thinks (common.reasoning)."""
     if not prompt and not len(prompt_ids) and not len(messages):
@@ -223,7 +223,7 @@ def check_message(message) -> None:
 def fields_of(message) -> dict:
     """A GenerateRequest message's fields as ``check_fields`` (and the runner's ``GenerationRequest``) take them:
     unset optional fields as their defaults, repeated ones as tuples, messages as (role, content, name,
-    tool_call_id, tool_calls, reasoning) tuples with tool_calls as (id, name, arguments) triples."""
+    tool_call_id, tool_calls, reasoning, images) tuples with tool_calls as (id, name, arguments) triples."""
     return dict(
         prompt=message.prompt,
         prompt_ids=tuple(message.prompt_ids),
@@ -235,6 +235,7 @@ def fields_of(message) -> dict:
                 m.tool_call_id,
                 tuple((c.id, c.name, c.arguments) for c in m.tool_calls),
                 m.reasoning,
+                tuple(m.images),
             )
             for m in message.messages
         ),

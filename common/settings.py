@@ -351,6 +351,11 @@ class RunnerSettings:
         'how the model writes tool calls: "hermes", "llama3", "mistral", "pythonic" or "generic" (tools '
         "described in a system message, answers held to JSON); default: recognised from the chat template",
     )
+    max_images: int = setting(8, "int", "images one request may hold at most (a model that sees: issue #39)")
+    max_image_bytes: int = setting(5 * 2**20, "int", "the most bytes one image may have, encoded (PNG, JPEG, ...)")
+    max_image_pixels: int = setting(
+        25_000_000, "int", "the most pixels (width x height) one image may have, read from its header before decoding"
+    )
     debug_rpcs: bool = setting(False, "bool", "debug: enable the DebugBlock RPC")
 
     def __post_init__(self):
@@ -422,6 +427,9 @@ class RunnerSettings:
                 "reasoning_format",
                 f"{self.reasoning_format!r} is not one of auto, none, {', '.join(REASONING_FORMATS)}",
             )
+        for name in ("max_images", "max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise SettingsError(name, "must be at least 1")
         if self.tool_format and self.tool_format not in TOOL_FORMATS:
             raise SettingsError("tool_format", f"{self.tool_format!r} is not one of {', '.join(TOOL_FORMATS)}")
 

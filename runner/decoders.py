@@ -80,6 +80,10 @@ class Decoder:
         self.kv = None  # a runner.kv_quant.KVQuantization: the target's cache is quantized once due (set by the engine)
         # score(logits, tokens): the prompt's positions as the target prefills them (prompt logprobs), or None
         self.score_prompt = None
+        # An image request (runner.vision): (Vision, VisionInput). Its prompt_ids are the prompt cache's keys
+        # (each image's tokens an id of its digest); the target is fed the real ids, and embeddings where images are.
+        self.seen = None
+        self._embedded: mx.array | None = None
 
     # -- prefill --------------------------------------------------------------------------------------
 
@@ -100,6 +104,19 @@ class Decoder:
             if held < len(context)
         ]
 
+    def _forward_prompt(self, model, cache, context: list[int], start: int, end: int) -> mx.array:
+        """The prompt's tokens ``start:end`` through ``model``: an image request's as their embeddings while a
+        part holds images (computed once, mlx-vlm's vision tower and projector), else as ids."""
+        if self.seen is None or model is not self.model:
+            return model(mx.array(context[start:end])[None], cache=cache)
+        vision, seen = self.seen
+        inputs = mx.array(seen.real_ids[start:end])[None]
+        if start > seen.last_image:  # past its images (a prompt-cache hit holds them): plain text
+            return model(inputs, cache=cache)
+        if self._embedded is None:
+            self._embedded = vision.embeddings(seen)
+        return model(inputs, cache=cache, input_embeddings=self._embedded[:, start:end])
+
     def prefill_step(self, planner: PrefillPlanner, sizes: list | None = None) -> bool:
         """Run one planned chunk of the prompt (all but its last token) through the models, each from
         where its cache already is; True once the whole prompt is in."""
@@ -112,7 +129,7 @@ class Decoder:
         for model, cache, held, advance in list(self._prefill_models()):
             if held < offset + size:
                 start = max(held, offset)
-                logits = model(mx.array(context[start : offset + size])[None], cache=cache)
+                logits = self._forward_prompt(model, cache, context, start, offset + size)
                 mx.eval([c.state for c in cache])
                 if self.score_prompt is not None and model is self.model:
                     # Row j scores the token after position start + j (the last row: the next chunk's first).
@@ -123,6 +140,8 @@ class Decoder:
         planner.record(offset, size, time.perf_counter() - started)
         if sizes is not None:
             sizes.append(size)
+        if offset + size >= len(context):
+            self._embedded = None  # the images are in the cache now
         return offset + size >= len(context)
 
     def _choose_depth(self) -> int:

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from common.defaults import DEFAULT_NUM_DRAFT_TOKENS
 from common.errors import InvalidRequest, ModelLoadError, TokenizerMismatch
 from common.footprint import ModelFootprint, default_prompt_cache_bytes, resolve_dtype
+from common.images import Limits
 from common.reasoning import detect as detect_reasoning
 from common.reasoning import of_setting
 from common.settings import CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED, RunnerSettings, adapter_folders
@@ -136,6 +137,9 @@ class Engine:
         self.tool_format = settings.tool_format or detect(template if isinstance(template, str) else None) or "generic"
         # How its reasoning is kept apart from its answer (common.reasoning): the setting, else the template's.
         self.reasoning = of_setting(settings.reasoning_format, reasoning_of(self.tokenizer))
+        # A model that sees (runner.vision): its images' limits are the settings'.
+        self.vision = target.vision
+        self.image_limits = Limits(settings.max_images, settings.max_image_bytes, settings.max_image_pixels)
         self.device = device_name()
         self.dtype_reason = dtype_reason or f"dtype = {target.dtype!r}"
         self.cache_limit = apply_cache_limit(settings.cache_limit)
@@ -390,6 +394,8 @@ class Engine:
             max_output_tokens=self.settings.max_output_tokens,
             adapters=self.adapter_names,
             reasoning=self.reasoning,
+            vision=self.vision,
+            image_limits=self.image_limits,
         )
 
     def target_model(self, adapter: int = 0):
@@ -446,6 +452,8 @@ class Engine:
         """The decoder for one request: plain, or speculative with its drafter and depth; with its grammar."""
         decoder = self._decoder(prepared, reuse)
         decoder.constraint = prepared.constraint
+        if prepared.vision_input is not None:
+            decoder.seen = (self.vision, prepared.vision_input)
         decoder.kv = self.kv
         decoder.group = self.group
         decoder.stop_ids = prepared.eos_ids
@@ -460,7 +468,8 @@ class Engine:
             decoder.score_prompt = score
         penalties = (request.presence_penalty, request.frequency_penalty, request.repetition_penalty)
         if Penalties.wanted(*penalties):
-            decoder.penalties = Penalties(self.vocab_size, prepared.prompt_ids, *penalties)
+            prompt = prepared.vision_input.real_ids if prepared.vision_input is not None else prepared.prompt_ids
+            decoder.penalties = Penalties(self.vocab_size, prompt, *penalties)
             decoder.penalties.count(list(request.resume_ids))  # a resumed answer's tokens so far
         return decoder
 
@@ -471,6 +480,9 @@ class Engine:
         key = mx.random.key(prepared.seed)
         cache, held = (reuse.caches[0], reuse.tokens) if reuse.caches else (None, 0)
         seeded_sampling = request.seed is not None and not prepared.params.greedy
+        seen = prepared.vision_input  # an image request: its prompt's images go in as embeddings
+        if seen is not None and drafter == "model":
+            drafter = "none"  # the draft model does not see the images (n-gram lookup works on their text)
         if drafter == "none" or pinned == 0 or (seeded_sampling and request.num_draft_tokens is None):
             # A seeded sample draws one key per token, the same alone or in a batch: no drafting unless pinned.
             return PlainDecoder(
@@ -483,7 +495,8 @@ class Engine:
             )
             source = ModelDrafter(self.draft.model, draft_cache, draft_held)
         else:
-            source = NgramDrafter(prepared.prompt_ids, self.settings.ngram_max, self.settings.ngram_min)
+            context = seen.real_ids if seen is not None else prepared.prompt_ids
+            source = NgramDrafter(context, self.settings.ngram_max, self.settings.ngram_min)
         return SpeculativeDecoder(
             self.target_model(prepared.adapter), prepared.prompt_ids, prepared.params, key, source, depth, cache, held
         )

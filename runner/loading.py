@@ -40,6 +40,7 @@ class LoadedModel:
     max_context: int | None = None  # a per-model limit below the config's
     padded_layers: int = 0  # layers that run one-row inputs as two rows (runner.row_padding)
     plain_attention: int = 0  # model modules whose small attentions run as plain ops (runner.attention)
+    vision: object = None  # a model that sees: its runner.vision.Vision (model is then its language model)
 
     @property
     def quantization(self) -> dict | None:
@@ -123,14 +124,22 @@ def load_model(
         raise ModelLoadError(path, "no such folder")
     if not (path / "config.json").is_file():
         raise ModelLoadError(path, "config.json is missing")
+    vision = None
     try:
-        model, tokenizer, config = mlx_lm_load(str(path), return_config=True)
+        from .vision import is_vision
+
+        if is_vision(path):  # a vision-language checkpoint: mlx-vlm's, decoded by mlx-lm's language model class
+            from .vision import load as load_vision
+
+            model, tokenizer, config, vision = load_vision(path, dtype)
+        else:
+            model, tokenizer, config = mlx_lm_load(str(path), return_config=True)
         # transformers warns of "indexing errors" when a text tokenizes past model_max_length; the runner checks
         # each prompt against the context itself (a prompt too long is refused, or only counted), so say nothing.
         hf_tokenizer = getattr(tokenizer, "_tokenizer", None)
         if hf_tokenizer is not None and hasattr(hf_tokenizer, "model_max_length"):
             hf_tokenizer.model_max_length = 2**62
-        parameters = get_total_parameters(model)
+        parameters = get_total_parameters(vision.model if vision is not None else model)
         if dtype == "float32":
             dequantize_model(model)
             model.set_dtype(mx.float32)
@@ -148,4 +157,4 @@ def load_model(
         plain = use_plain_attention(model) if plain_attention_applies() else 0
     except Exception as error:  # noqa: BLE001 - any cause is reported with the folder
         raise ModelLoadError(path, f"{type(error).__name__}: {error}") from error
-    return LoadedModel(path, model, tokenizer, config, dtype, parameters, max_context, padded, plain)
+    return LoadedModel(path, model, tokenizer, config, dtype, parameters, max_context, padded, plain, vision)

@@ -106,6 +106,9 @@ class PreparedRequest:
     reasoning: ReasoningFormat | None = None  # its answer's reasoning is split from its content (a chat of a
     # model that thinks apart: common.reasoning)
     thinking: bool = False  # and it may reason (not switched off)
+    # An image request (runner.vision.VisionInput): prompt_ids are then the prompt cache's keys, its images' tokens
+    # ids of their digests beyond the vocabulary; the model is fed these real ids and the images' embeddings.
+    vision_input: object = None
 
     @property
     def request_id(self) -> str:
@@ -119,10 +122,14 @@ def chat_ids(
     tools: Tools | None = None,
     tool_format: str = "",
     reasoning: Plan | None = None,
-) -> list[int]:
+    vision: bool = False,
+    tokenize: bool = True,
+):
     """The conversation laid out by the model's chat template, ready for the assistant's turn; with tools (or
     earlier calls) laid out for the model's ``tool_format`` (``common.tool_calls.conversation``); ``reasoning``:
-    what the request's switches ask of the template (its arguments, an empty block after the prompt)."""
+    what the request's switches ask of the template (its arguments, an empty block after the prompt);
+    ``vision``: a model that sees, whose template takes each message as parts (its images, then its text);
+    ``tokenize`` False: the text (an image request's, which the model's processor tokenizes)."""
     if not getattr(tokenizer, "has_chat_template", False):
         raise InvalidRequest("messages", "this model has no chat template: send a prompt instead")
     if sum(len(m[1]) for m in request.messages) + len(request.tools) > context_length * MAX_CHARS_PER_TOKEN:
@@ -135,19 +142,39 @@ def chat_ids(
             kwargs["tools"] = tools.definitions()
     else:
         messages = [{"role": m[0], "content": m[1]} for m in request.messages]
+    aligned = len(messages) == len(request.messages)
     for message, entry in zip(request.messages, messages):  # an earlier turn's reasoning, as templates name it
         if len(message) > 5 and message[5] and entry["role"] == "assistant":
             entry["reasoning_content"] = entry["thinking"] = message[5]
+        if len(message) > 6 and message[6]:
+            if not aligned:
+                raise InvalidRequest("messages", "images with tools laid out in the generic layout are not taken")
+            entry["_images"] = len(message[6])
+
+    def apply(entries):
+        if vision:  # as parts: the message's images, then its text
+            entries = [
+                {
+                    **{k: v for k, v in e.items() if k != "_images"},
+                    "content": [{"type": "image"}] * e.get("_images", 0)
+                    + ([{"type": "text", "text": e["content"]}] if e.get("content") or not e.get("_images") else []),
+                }
+                for e in entries
+            ]
+        return tokenizer.apply_chat_template(entries, add_generation_prompt=True, tokenize=tokenize, **kwargs)
+
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        ids = apply(messages)
     except Exception as error:  # noqa: BLE001 - a template raises whatever it likes (jinja2, TypeError, ...)
         folded = fold_system_messages(messages)
         if folded is None:
             raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
         try:  # a template that takes a system message only first (Gemma's, Llama 2's): fold the others in
-            ids = tokenizer.apply_chat_template(folded, add_generation_prompt=True, tokenize=True, **kwargs)
+            ids = apply(folded)
         except Exception:  # noqa: BLE001
             raise InvalidRequest("messages", f"the chat template refused them: {error}") from None
+    if not tokenize:
+        return ids + (reasoning.empty_block if reasoning is not None else "")
     if reasoning is not None and reasoning.empty_block:  # thinking off for a model that cannot skip it
         ids = list(ids) + list(tokenizer.encode(reasoning.empty_block, add_special_tokens=False))
     return [int(t) for t in ids]
@@ -201,8 +228,9 @@ def prompt_ids_of(
     tools=None,
     tool_format: str = "",
     reasoning: Plan | None = None,
+    vision: bool = False,
 ) -> list[int]:
-    ids = own_prompt_ids(request, tokenizer, vocab_size, context_length, tools, tool_format, reasoning)
+    ids = own_prompt_ids(request, tokenizer, vocab_size, context_length, tools, tool_format, reasoning, vision)
     if not request.context_ids:
         return ids
     context = [int(t) for t in request.context_ids]
@@ -230,9 +258,10 @@ def own_prompt_ids(
     tools=None,
     tool_format: str = "",
     reasoning: Plan | None = None,
+    vision: bool = False,
 ) -> list[int]:
     if request.messages:
-        return chat_ids(request, tokenizer, context_length, tools, tool_format, reasoning)
+        return chat_ids(request, tokenizer, context_length, tools, tool_format, reasoning, vision)
     if request.prompt_ids:
         ids = [int(t) for t in request.prompt_ids]
         if any(t < 0 or t >= vocab_size for t in ids):
@@ -257,6 +286,8 @@ def prepare(
     max_output_tokens: int = 0,
     adapters: tuple[str, ...] = (),
     reasoning: ReasoningFormat | None = None,
+    vision=None,
+    image_limits=None,
 ) -> PreparedRequest:
     """Validate (``common.requests.check_fields``: the same judge as the supervisor's) and tokenize ``request``
     once; raises InvalidRequest naming the field. ``tool_format``: how this model writes tool calls.
@@ -270,6 +301,11 @@ def prepare(
     if counting:
         context_length = COUNTING_CONTEXT
     tools = check_tools(request.tools, request.tool_choice, request.tool_name, request.parallel_tool_calls)
+    pictures = [(i, m[6]) for i, m in enumerate(request.messages) if len(m) > 6 and m[6]]
+    if pictures and vision is None:
+        raise InvalidRequest(
+            "messages", f"message {pictures[0][0]}: this model does not take images (it reads text only)"
+        )
     asked = {
         "think": request.think == "on",
         "reasoning_budget": request.reasoning_budget is not None,
@@ -285,7 +321,18 @@ def prepare(
         request.reasoning_effort,
         template_kwargs(request.chat_template_kwargs),
     )
-    prompt_ids = prompt_ids_of(request, tokenizer, vocab_size, context_length, tools, tool_format, thinking)
+    seen = None  # an image request's input (runner.vision)
+    if pictures:
+        for name in ("prompt_logprobs", "context_ids", "resume_ids"):
+            if getattr(request, name):
+                raise InvalidRequest(name, "is not taken with images")
+        text = chat_ids(request, tokenizer, context_length, tools, tool_format, thinking, vision=True, tokenize=False)
+        every = [image for _, images in pictures for image in images]
+        prompt_ids, seen = vision.input(text, every, image_limits, vocab_size)
+    else:
+        prompt_ids = prompt_ids_of(
+            request, tokenizer, vocab_size, context_length, tools, tool_format, thinking, vision is not None
+        )
     if any(t >= vocab_size for t in request.resume_ids):
         raise InvalidRequest("resume_ids", f"token ids must lie in [0, {vocab_size})")
     prompt_ids = prompt_ids + list(request.resume_ids)  # a resumed answer goes on from its tokens
@@ -323,6 +370,7 @@ def prepare(
         adapter=adapter_index(request.adapter, adapters),
         reasoning=reasoning if request.messages else None,
         thinking=thinking.thinking,
+        vision_input=seen,
     )
 
 

@@ -92,7 +92,8 @@ class Session:
     def joint_prefill(self) -> tuple[int, int] | None:
         """(tokens cached, tokens to prefill) when what its prompt still lacks may share a batched pass with
         other requests' (``runner.prefill.joint_groups``): every cache of plain KV layers; else None."""
-        if self.prefilled or self._decoder.score_prompt is not None:  # scored prompts prefill alone
+        if self.prefilled or self._decoder.score_prompt is not None or self._decoder.seen is not None:
+            # scored prompts and prompts with images (their embeddings) prefill alone
             return None
         parts = self._decoder.prefill_parts()
         if not parts or not all(type(layer) is KVCache for _, cache, _, _ in parts for layer in cache):

@@ -18,8 +18,9 @@ it comes; an error before the stream started is an HTTP status, after it an
 
 Usage follows Anthropic's sense: ``input_tokens`` are the prompt tokens
 prefilled, ``cache_read_input_tokens`` those the prompt cache gave. Fields this
-server cannot honour are refused (400), never ignored: extended thinking,
-server tools, images, documents. ``output_config.format`` (a JSON schema) is
+server cannot honour are refused (400), never ignored: server tools, documents,
+image URLs. Thinking switches a model that thinks; image blocks go to a model
+that sees. ``output_config.format`` (a JSON schema) is
 structured output, as ``response_format`` is OpenAI's; ``temperature``,
 ``top_p`` and ``top_k`` are taken from clients that still send them (Anthropic's
 own SDK no longer does); hints (``service_tier``, ``speed``, ``cache_control``,
@@ -40,6 +41,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
+from common import images
 from common.requests import FinishReason
 from common.status import Code, ServiceError
 
@@ -165,22 +167,36 @@ class CountTokensRequest(Schema):
             if isinstance(message.content, str):
                 out.append((message.role, message.content, "", "", ()))
                 continue
-            texts, calls, thoughts = [], [], []
+            texts, calls, thoughts, pictures = [], [], [], []
             for j, block in enumerate(message.content):
                 where = f"messages.{i}.content.{j}"
                 if block.type == "text":
                     texts.append(block.text or "")
+                elif block.type == "image" and message.role == "user":
+                    pictures.append(_image((block.model_extra or {}).get("source"), where))
                 elif block.type == "tool_use" and message.role == "assistant":
                     if not block.id or not block.name:
                         raise bad(f"{where}: a tool_use block needs an id and a name", "messages")
                     names[block.id] = block.name
                     calls.append((block.id, block.name, json.dumps(block.input or {}, ensure_ascii=False)))
                 elif block.type == "tool_result" and message.role == "user":
-                    result = block.content if isinstance(block.content, str) else _texts(block.content or [], where)
+                    shown: tuple = ()  # a tool's images (a screenshot): with its result
+                    if isinstance(block.content, str):
+                        result = block.content
+                    else:
+                        parts = block.content or []
+                        shown = tuple(
+                            _image(p.get("source"), f"{where}.content.{k}")
+                            for k, p in enumerate(parts)
+                            if isinstance(p, dict) and p.get("type") == "image"
+                        )
+                        result = _texts(
+                            [p for p in parts if not (isinstance(p, dict) and p.get("type") == "image")], where
+                        )
                     if block.is_error:
                         result = f"Error: {result}"
                     call_id = block.tool_use_id or ""
-                    out.append(("tool", result, names.get(call_id, ""), call_id, ()))
+                    out.append(("tool", result, names.get(call_id, ""), call_id, (), "", shown))
                 elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
                     # An earlier turn's reasoning: its template decides whether it goes back (most drop it).
                     thought = (block.model_extra or {}).get("thinking")
@@ -190,8 +206,8 @@ class CountTokensRequest(Schema):
                     raise bad(
                         f"{where}: {block.type!r} blocks are not supported in a {message.role} message", "messages"
                     )
-            if texts or calls:
-                out.append((message.role, "".join(texts), "", "", tuple(calls), "\n\n".join(thoughts)))
+            if texts or calls or pictures:
+                out.append((message.role, "".join(texts), "", "", tuple(calls), "\n\n".join(thoughts), tuple(pictures)))
         return out
 
     def thinking_fields(self) -> dict:
@@ -273,6 +289,17 @@ class MessagesRequest(CountTokensRequest):
             stop=list(self.stop_sequences or ()),
             defaulted=left_out(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k),
         )
+
+
+def _image(source, where: str) -> bytes:
+    """An ``image`` block's bytes: its ``source`` as base64 (a url source is not fetched: common.images)."""
+    if not isinstance(source, dict):
+        raise bad(f"{where}.source: an image block needs a source", "messages")
+    if source.get("type") == "url":
+        return images.from_url(str(source.get("url", "")), where)
+    if source.get("type") != "base64" or not isinstance(source.get("data"), str):
+        raise bad(f'{where}.source: must be {{"type": "base64", "media_type": ..., "data": ...}}', "messages")
+    return images.from_base64(source["data"], where)
 
 
 def _texts(blocks, where: str) -> str:

@@ -44,6 +44,7 @@ from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common import images
 from common.errors import InvalidRequest
 from common.protocol import runner_pb2
 from common.requests import MAX_CHOICES, FinishReason
@@ -105,6 +106,7 @@ NOT_HONOURED = {
 class ContentPart(Schema):
     type: StrictStr
     text: StrictStr | None = None
+    image_url: dict[str, Any] | StrictStr | None = None  # {"url": "data:image/png;base64,..."} (images.from_url)
 
 
 class FunctionCall(Schema):
@@ -144,14 +146,29 @@ class ChatMessage(Schema):
             return self.content
         parts = []
         for part in self.content:
+            if part.type == "image_url":
+                continue  # images()
             if part.type != "text" or part.text is None:
                 raise ServiceError(
                     Code.INVALID_ARGUMENT,
-                    f"messages: content parts of type {part.type!r} are not supported (text only)",
+                    f"messages: content parts of type {part.type!r} are not supported (text and image_url)",
                     "messages",
                 )
             parts.append(part.text)
         return "".join(parts)
+
+    def images(self, index: int) -> tuple[bytes, ...]:
+        """Its ``image_url`` parts' images (data: URLs), laid out before its text."""
+        out = []
+        for number, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if part.type == "image_url":
+                url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
+                if not isinstance(url, str):
+                    raise ServiceError(
+                        Code.INVALID_ARGUMENT, f"messages[{index}].content[{number}].image_url: needs a url", "messages"
+                    )
+                out.append(images.from_url(url, f"messages[{index}].content[{number}]"))
+        return tuple(out)
 
 
 class StreamOptions(Schema):
@@ -378,8 +395,9 @@ class ChatCompletionRequest(Sampling):
                 m.tool_call_id or "",
                 m.calls(),
                 m.reasoning_content or m.reasoning or "",
+                m.images(index),
             )
-            for m in self.messages
+            for index, m in enumerate(self.messages)
         ]
         return self.build(fields, messages)
 

@@ -172,9 +172,10 @@ def build_request(model: str, fields: dict, messages=(), ignore_eos: bool = Fals
         else:
             setattr(proto, key, value)
     proto.defaulted.extend(defaulted)
-    for role, content, name, call_id, calls, *reasoning in messages:
+    for role, content, name, call_id, calls, *more in messages:  # more: [reasoning[, images]]
         message = proto.messages.add(role=role, content=content, name=name, tool_call_id=call_id)
-        message.reasoning = reasoning[0] if reasoning else ""
+        message.reasoning = more[0] if more else ""
+        message.images.extend(more[1] if len(more) > 1 else ())
         for call in calls:
             message.tool_calls.add(id=call[0], name=call[1], arguments=call[2])
     return proto

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.concurrency import run_in_threadpool
 
-from common import __version__
+from common import __version__, images
 from common.requests import FinishReason
 from common.status import Code, ServiceError
 
@@ -82,6 +82,12 @@ TAKEN = {"temperature", "top_k", "top_p", "min_p", "seed", "num_predict", "stop"
 TAKEN |= {"repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n"}
 TAKEN |= {"reasoning_budget"}  # this server's: the most reasoning tokens of a model that thinks (its end forced)
 NOT_HERE = ("push", "create", "copy", "embed", "embeddings", "blobs")
+
+
+def _base64_text(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise bad(f"{where}: an image is base64 text", "images")
+    return value
 
 
 def ollama_error(error: ServiceError) -> tuple[int, dict]:
@@ -244,16 +250,19 @@ class ChatRequest(OllamaRequest):
     def conversation(self) -> list[tuple]:
         out = []
         for index, message in enumerate(self.messages):
-            if message.images:
-                raise bad(f"messages.{index}.images: images are not supported", "messages")
+            pictures = tuple(
+                images.from_base64(
+                    _base64_text(picture, f"messages.{index}.images.{k}"), f"messages.{index}.images.{k}"
+                )
+                for k, picture in enumerate(message.images or ())
+            )
             calls = []
             for number, call in enumerate(message.tool_calls or ()):
                 arguments = call.function.arguments
                 text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
                 calls.append((f"call_{index}_{number}", call.function.name, text))
-            out.append(
-                (message.role, message.content, message.tool_name or "", "", tuple(calls), message.thinking or "")
-            )
+            thinking = message.thinking or ""
+            out.append((message.role, message.content, message.tool_name or "", "", tuple(calls), thinking, pictures))
         return out
 
     def to_proto(self):
@@ -274,17 +283,23 @@ class GenerateRequest(OllamaRequest):
 
     def to_proto(self, chat_template: bool):
         """With the model's chat template (``raw`` off and the model has one): the prompt as the user's turn."""
-        for name in ("suffix", "template", "images"):
+        for name in ("suffix", "template"):
             if getattr(self, name):
                 raise bad(f"{name}: not supported by this server", name)
+        pictures = tuple(
+            images.from_base64(_base64_text(p, f"images.{k}"), f"images.{k}", "images")
+            for k, p in enumerate(self.images or ())
+        )
         # context: an earlier answer's (its prompt's and answer's tokens) goes before this prompt, as Ollama's
         fields = {**self.fields(), "context_ids": list(self.context or ()), "return_prompt_ids": True}
         if self.raw or not chat_template:
+            if pictures:
+                raise bad("images: need the model's chat template (raw off, a model that has one)", "images")
             if self.system:
                 raise bad("system: needs the model's chat template (raw off, a model that has one)", "system")
             return build_request(self.model, {**fields, "prompt": self.prompt})
         messages = [("system", self.system, "", "", ())] if self.system else []
-        messages.append(("user", self.prompt, "", "", ()))
+        messages.append(("user", self.prompt, "", "", (), "", pictures))
         return build_request(self.model, fields, messages)
 
 

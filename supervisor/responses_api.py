@@ -31,6 +31,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from pydantic import ConfigDict, StrictBool, StrictInt, StrictStr
 
+from common import images
 from common.requests import FinishReason
 from common.status import Code, ServiceError
 
@@ -149,9 +150,8 @@ class ResponsesRequest(Schema):
                 if role not in ("user", "assistant", "system", "developer"):
                     raise bad(f"input[{index}].role: {role!r} is not user, assistant, system or developer", "input")
                 role = "system" if role == "developer" else role
-                out.append(
-                    (role, _text(item.get("content"), index), "", "", (), thought if role == "assistant" else "")
-                )
+                text, pictures = _text(item.get("content"), index), _images(item.get("content"), index)
+                out.append((role, text, "", "", (), thought if role == "assistant" else "", pictures))
                 thought = "" if role == "assistant" else thought
             elif kind == "function_call":
                 call_id, name = item.get("call_id"), item.get("name")
@@ -263,6 +263,8 @@ def _text(content, index: int) -> str:
         raise bad(f"input[{index}].content: must be text or a list of text parts", "input")
     parts = []
     for number, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            continue  # _images
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise bad(f"input[{index}].content: parts of type {kind!r} are not supported (text only)", "input")
@@ -271,6 +273,19 @@ def _text(content, index: int) -> str:
             raise bad(f"input[{index}].content[{number}].text: must be a string", "input")
         parts.append(text)
     return "".join(parts)
+
+
+def _images(content, index: int) -> tuple[bytes, ...]:
+    """A message's ``input_image`` parts' images (``image_url`` data: URLs; ``file_id``s are not served)."""
+    out = []
+    for number, part in enumerate(content if isinstance(content, list) else ()):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            where = f"input[{index}].content[{number}]"
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise bad(f"{where}: an input_image needs an image_url (file ids are not served)", "input")
+            out.append(images.from_url(url, where, "input"))
+    return tuple(out)
 
 
 # -- the response ----------------------------------------------------------------------------------------------

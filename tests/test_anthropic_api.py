@@ -140,7 +140,7 @@ def test_count_tokens_is_exact(claude):
                 ]
             },
             anthropic.BadRequestError,
-            "'image' blocks are not supported",
+            "does not take images",  # a model that reads text only (tests/test_vision.py: one that sees)
         ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, anthropic.BadRequestError, "server tools"),
         ({"tool_choice": {"type": "tool", "name": "launch"}, "tools": TOOLS}, anthropic.BadRequestError, "launch"),

@@ -1,0 +1,386 @@
+"""Build a tiny random-weight SmolVLM checkpoint for vision tests.
+
+    python models/train_vision.py
+
+Writes ``models/vision/smolvlm/`` (replacing it if it exists): a
+vision-language model of the SmolVLM / Idefics3 family in the layout that
+``mlx_vlm.load`` reads (model_type ``smolvlm``, i.e. SmolVLM2's
+``SmolVLMForConditionalGeneration``), then loads it back with mlx-vlm and runs
+``mlx_vlm.generate`` on a synthetic image as a self-check.
+
+Why random weights: no VLM can be fetched on this machine (the Hugging Face hub
+is unreachable), and the point of this checkpoint is not quality but
+structure.  It has SmolVLM's real architecture, built from mlx-vlm's own
+classes (SigLIP vision tower -> pixel-shuffle connector -> Llama text model),
+SmolLM2's real tokenizer extended with SmolVLM-256M-Instruct's added tokens at
+their real ids (``<global-img>`` 49152, ``<row_r_col_c>`` 49153-49188,
+``<fake_token_around_image>`` 49189, ``<image>`` 49190, reserved tokens
+49191-49278, ``<end_of_utterance>`` 49279; vocab 49280), SmolVLM's real image
+processor / processor configuration and its public chat template.  Tests can
+therefore compare the project's runner token-for-token with mlx-vlm's own
+``generate`` on the same prompt and image.
+
+Only the sizes are shrunk; the weights are ~6.6 MB of float32:
+
+* text: llama, hidden 16, 2 layers, 2 heads (1 kv head, head_dim 8),
+  intermediate 64, untied lm_head (mlx-vlm's Idefics3 language model always
+  has one).  embed_tokens and lm_head over the 49280-token vocabulary are
+  almost all of the file, hence the small hidden size.  float32 rather than
+  SmolVLM's bfloat16 on purpose: with bf16 logits over a 49k vocabulary a
+  random model's top-2 logits often tie to within one bf16 ulp (mlx-vlm even
+  takes the argmax of bf16 log-probs), so two correct implementations could
+  disagree on greedy tokens; in float32 they do not.
+* vision: SigLIP, hidden 32, 2 layers, 2 heads, intermediate 64, patch 16,
+  image 128 -> 8x8 = 64 patches; connector pixel shuffle with
+  scale_factor 2 -> image_seq_len = 64 / 2**2 = 16 ``<image>`` tokens.
+* image processor: ``do_image_splitting`` false, so any image becomes one
+  128x128 tile and expands to
+  ``<fake_token_around_image><global-img>`` + 16 x ``<image>`` +
+  ``<fake_token_around_image>`` in the prompt.
+
+Weights are deterministic (``mx.random.seed(0)``) and are stored under
+mlx-vlm's module names (what ``mlx_vlm.convert`` writes), which load strictly.
+Runs on the CPU in a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Nothing here may reach the network: set before transformers / mlx_vlm load.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "models" / "vision" / "smolvlm"
+BASE_TOKENIZER = ROOT / "models" / "smollm2" / "tokenizer.json"
+
+SEED = 0
+BASE_VOCAB = 49152  # SmolLM2-135M-Instruct
+VOCAB_SIZE = 49280  # SmolVLM-256M-Instruct's text vocab
+
+# SmolVLM-256M-Instruct's added tokens, in id order (49152 .. 49279).
+GLOBAL_IMG = "<global-img>"
+ROW_COL = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+FAKE_IMAGE = "<fake_token_around_image>"
+IMAGE = "<image>"
+RESERVED = [f"<|reserved_special_token_{i}|>" for i in range(88)]
+END_OF_UTTERANCE = "<end_of_utterance>"
+ADDED = [GLOBAL_IMG, *ROW_COL, FAKE_IMAGE, IMAGE, *RESERVED, END_OF_UTTERANCE]
+assert BASE_VOCAB + len(ADDED) == VOCAB_SIZE
+TOKEN_IDS = {tok: BASE_VOCAB + i for i, tok in enumerate(ADDED)}
+IMAGE_TOKEN_ID = TOKEN_IDS[IMAGE]  # 49190
+EOU_TOKEN_ID = TOKEN_IDS[END_OF_UTTERANCE]  # 49279
+FAKE_IMAGE_TOKEN_ID = TOKEN_IDS[FAKE_IMAGE]  # 49189
+GLOBAL_IMG_TOKEN_ID = TOKEN_IDS[GLOBAL_IMG]  # 49152
+# Tokens that are "special" in SmolVLM's tokenizer (skipped on decode); the
+# global / row-col markers are plain added tokens there.
+SPECIAL = {FAKE_IMAGE, IMAGE, END_OF_UTTERANCE, *RESERVED}
+
+IMAGE_SIZE = 128
+PATCH_SIZE = 16
+SCALE_FACTOR = 2
+IMAGE_SEQ_LEN = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR**2  # 16
+
+TEXT_CONFIG = {
+    "architectures": ["VLlama3ForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 16,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 8,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000.0,
+    "rope_scaling": None,
+    "rope_interleaved": False,
+    "max_position_embeddings": 8192,
+    "vocab_size": VOCAB_SIZE,
+    "pad_token_id": 2,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+VISION_CONFIG = {
+    "model_type": "smolvlm_vision",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_channels": 3,
+    "image_size": IMAGE_SIZE,
+    "patch_size": PATCH_SIZE,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-06,
+    "max_image_size": {"longest_edge": IMAGE_SIZE},
+    "size": {"longest_edge": IMAGE_SIZE},
+    "tie_word_embeddings": False,
+    "use_base_siglip": False,
+}
+
+CONFIG = {
+    "architectures": ["SmolVLMForConditionalGeneration"],
+    "model_type": "smolvlm",
+    "image_token_id": IMAGE_TOKEN_ID,
+    "scale_factor": SCALE_FACTOR,
+    "vocab_size": VOCAB_SIZE,
+    "bos_token_id": 1,
+    "eos_token_id": EOU_TOKEN_ID,
+    "pad_token_id": 2,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "torch_dtype": "float32",
+    "text_config": TEXT_CONFIG,
+    "vision_config": VISION_CONFIG,
+}
+
+# SmolVLM-Instruct's public chat template (also used by SmolVLM-256M-Instruct).
+CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}"
+    "{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}"
+    "{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+    "{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+PREPROCESSOR_CONFIG = {
+    "do_convert_rgb": True,
+    "do_image_splitting": False,
+    "do_normalize": True,
+    "do_pad": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_processor_type": "SmolVLMImageProcessor",
+    "image_std": [0.5, 0.5, 0.5],
+    "max_image_size": {"longest_edge": IMAGE_SIZE},
+    "processor_class": "SmolVLMProcessor",
+    "resample": 1,
+    "rescale_factor": 1 / 255,
+    "size": {"longest_edge": IMAGE_SIZE},
+}
+
+PROCESSOR_CONFIG = {
+    "image_seq_len": IMAGE_SEQ_LEN,
+    "processor_class": "SmolVLMProcessor",
+}
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def build_tokenizer(out: Path) -> None:
+    """SmolLM2's tokenizer.json plus SmolVLM's added tokens at their real ids."""
+    from tokenizers import AddedToken, Tokenizer
+
+    if not BASE_TOKENIZER.exists():
+        raise SystemExit(f"missing SmolLM2 tokenizer: {BASE_TOKENIZER}")
+    tok = Tokenizer.from_file(str(BASE_TOKENIZER))
+    if tok.get_vocab_size(with_added_tokens=True) != BASE_VOCAB:
+        raise SystemExit(f"{BASE_TOKENIZER} is not SmolLM2's 49152-token vocab")
+    for content in ADDED:
+        added = AddedToken(content, normalized=False, special=content in SPECIAL)
+        if content in SPECIAL:
+            tok.add_special_tokens([added])
+        else:
+            tok.add_tokens([added])
+    for content, want in TOKEN_IDS.items():
+        got = tok.token_to_id(content)
+        if got != want:
+            raise SystemExit(f"{content} got id {got}, want {want}")
+    assert tok.get_vocab_size(with_added_tokens=True) == VOCAB_SIZE
+    tok.save(str(out / "tokenizer.json"))
+
+    added_tokens_decoder = {
+        str(i): {
+            "content": t.content,
+            "lstrip": t.lstrip,
+            "normalized": t.normalized,
+            "rstrip": t.rstrip,
+            "single_word": t.single_word,
+            "special": t.special,
+        }
+        for i, t in sorted(tok.get_added_tokens_decoder().items())
+    }
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "add_prefix_space": False,
+            "added_tokens_decoder": added_tokens_decoder,
+            "additional_special_tokens": [FAKE_IMAGE, IMAGE, END_OF_UTTERANCE],
+            "bos_token": "<|im_start|>",
+            "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": END_OF_UTTERANCE,
+            "extra_special_tokens": {
+                "end_of_utterance_token": END_OF_UTTERANCE,
+                "fake_image_token": FAKE_IMAGE,
+                "global_image_token": GLOBAL_IMG,
+                "image_token": IMAGE,
+            },
+            "legacy": False,
+            "model_max_length": 8192,
+            "pad_token": "<|im_end|>",
+            "processor_class": "SmolVLMProcessor",
+            "tokenizer_class": "GPT2Tokenizer",
+            "truncation_side": "left",
+            "unk_token": "<|endoftext|>",
+            "vocab_size": BASE_VOCAB,
+        },
+    )
+    _write_json(
+        out / "special_tokens_map.json",
+        {
+            "additional_special_tokens": [FAKE_IMAGE, IMAGE, END_OF_UTTERANCE],
+            "bos_token": "<|im_start|>",
+            "eos_token": END_OF_UTTERANCE,
+            "pad_token": "<|im_end|>",
+            "unk_token": "<|endoftext|>",
+        },
+    )
+    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+
+
+def build_weights(out: Path) -> int:
+    """Random weights from mlx-vlm's own SmolVLM classes; returns param count."""
+    from mlx_vlm.models import smolvlm
+
+    mx.random.seed(SEED)
+    model_config = smolvlm.ModelConfig.from_dict(CONFIG)
+    model_config.text_config = smolvlm.TextConfig.from_dict(TEXT_CONFIG)
+    model_config.vision_config = smolvlm.VisionConfig.from_dict(VISION_CONFIG)
+    model = smolvlm.Model(model_config)
+    model.set_dtype(mx.float32)  # already float32; kept explicit
+    weights = dict(tree_flatten(model.parameters()))
+    mx.eval(weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return sum(v.size for v in weights.values())
+
+
+def build(out: Path = OUT) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    build_tokenizer(out)
+    n_params = build_weights(out)
+    _write_json(out / "config.json", CONFIG)
+    _write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
+    _write_json(out / "processor_config.json", PROCESSOR_CONFIG)
+    print(f"wrote {out.relative_to(ROOT)} ({n_params:,} parameters)")
+    for p in sorted(out.iterdir()):
+        print(f"  {p.name:28s} {p.stat().st_size:>10,d} bytes")
+
+
+def gradient_image(size: int = 64):
+    """Deterministic RGB test image: red/green ramps, blue checker."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:size, 0:size]
+    rgb = np.stack(
+        [
+            x * 255 // (size - 1),
+            y * 255 // (size - 1),
+            ((x // 8 + y // 8) % 2) * 255,
+        ],
+        axis=-1,
+    ).astype(np.uint8)
+    return Image.fromarray(rgb, "RGB")
+
+
+def verify(out: Path = OUT) -> None:
+    import mlx_vlm
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = mlx_vlm.load(str(out))
+    print(
+        f"loaded {type(model).__module__}.{type(model).__name__} with "
+        f"{type(processor).__module__}.{type(processor).__name__} / "
+        f"{type(processor.image_processor).__name__} / "
+        f"{type(processor.tokenizer).__name__}"
+    )
+    tokenizer = processor.tokenizer
+    for content, want in TOKEN_IDS.items():
+        if content in (GLOBAL_IMG, FAKE_IMAGE, IMAGE, END_OF_UTTERANCE):
+            got = tokenizer.convert_tokens_to_ids(content)
+            assert got == want, (content, got, want)
+    assert model.config.image_token_index == IMAGE_TOKEN_ID
+    assert processor.image_seq_len == IMAGE_SEQ_LEN, processor.image_seq_len
+
+    prompt = apply_chat_template(processor, model.config, "Describe the image.", num_images=1)
+    print(f"prompt: {prompt!r}")
+    assert prompt == "<|im_start|>User:<image>Describe the image.<end_of_utterance>\nAssistant:", prompt
+
+    image = gradient_image()
+    inputs = processor(text=[prompt], images=[image])
+    ids = inputs["input_ids"][0].tolist()
+    n_image = ids.count(IMAGE_TOKEN_ID)
+    print(
+        f"processor: {len(ids)} prompt tokens, {n_image} <image> tokens "
+        f"(expected {IMAGE_SEQ_LEN}), {ids.count(FAKE_IMAGE_TOKEN_ID)} "
+        f"<fake_token_around_image>, {ids.count(GLOBAL_IMG_TOKEN_ID)} <global-img>; "
+        f"pixel_values {tuple(inputs['pixel_values'].shape)}"
+    )
+    print(f"input_ids: {ids}")
+    assert n_image == IMAGE_SEQ_LEN
+    assert tuple(inputs["pixel_values"].shape) == (1, 1, 3, IMAGE_SIZE, IMAGE_SIZE)
+
+    result = mlx_vlm.generate(model, processor, prompt, image=[image], max_tokens=12, temperature=0.0)
+    print(
+        f"generate: prompt_tokens={result.prompt_tokens} "
+        f"generation_tokens={result.generation_tokens} "
+        f"finish_reason={result.finish_reason}"
+    )
+    print(f"generated token ids: {result.token_ids}")
+    print(f"generated text: {result.text!r}")
+    assert result.prompt_tokens == len(ids)
+    assert result.generation_tokens > 0
+
+    # The same greedy decode by hand, through the calls generate makes:
+    # Model.get_input_embeddings merges the vision features into the
+    # <image> positions, then the language model runs on inputs_embeds.
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model.language_model)
+    embeds = model.get_input_embeddings(
+        inputs["input_ids"],
+        inputs["pixel_values"],
+        pixel_attention_mask=inputs["pixel_attention_mask"],
+    ).inputs_embeds
+    logits = model.language_model(inputs["input_ids"], inputs_embeds=embeds, cache=cache).logits[:, -1, :]
+    manual, margins = [], []
+    for _ in range(len(result.token_ids)):
+        top2 = mx.sort(logits[0])[-2:]
+        margins.append(float(top2[1] - top2[0]))
+        token = int(mx.argmax(logits[0]))
+        manual.append(token)
+        logits = model.language_model(mx.array([[token]]), cache=cache).logits[:, -1, :]
+    print(f"manual greedy token ids: {manual}")
+    print(f"min top1-top2 logit margin: {min(margins):.4f}")
+    assert manual == result.token_ids, (manual, result.token_ids)
+
+
+def main() -> None:
+    t0 = time.perf_counter()
+    build()
+    verify()
+    print(f"done in {time.perf_counter() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""A model that sees (issue #39): a vision-language checkpoint, its images turned into the text model's input.
+
+A checkpoint whose ``config.json`` has a ``vision_config`` is loaded with mlx-vlm (``mlx_vlm.load``: its model
+classes, its processor). The runner decodes with mlx-lm's class for the language model, built from the
+checkpoint's ``text_config`` and holding the same weight arrays (nothing copied), so a text-only request to such a
+model is a text request like any other: speculation, the prompt cache, batching, grammars, tools and reasoning
+work unchanged. Families whose language model positions its tokens as a plain decoder does (SmolVLM / Idefics3,
+LLaVA-style) are served; a family whose positions depend on the image (Qwen2-VL's M-RoPE) is refused at load with
+the reason (not built yet).
+
+An image request is laid out by the model's chat template (each message as parts: its images, then its text),
+and mlx-vlm's processor expands each image into its image tokens and computes its pixels. What the prompt cache
+keys on is the prompt with each image's tokens replaced by ids beyond the vocabulary derived from the image's
+digest (``VisionInput.key_ids``): the same image in the same place is the same prefix, another image is not, so a
+chat that goes on about one image reuses its prefill (the image's features are in the cached keys and values) and
+encodes it once. The model only ever sees the real ids: the prefill of a prompt part that holds images runs on
+the embeddings mlx-vlm computes (``embeddings``), the rest on ids.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from common.errors import InvalidRequest, ModelLoadError
+from common.images import Limits, check, digest
+
+# Language models whose token positions are those of a plain decoder (images are runs of tokens): mlx-lm's class
+# for them decodes the checkpoint's text.
+PLAIN_POSITIONS = ("smolvlm", "idefics3", "idefics2", "llava")
+KEY_SPACE = 2**24  # image ids in the prompt cache's keys: vocab_size + a digest's first 3 bytes
+
+
+def is_vision(folder: Path) -> bool:
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config.get("vision_config"), dict)
+
+
+@dataclass(frozen=True)
+class VisionInput:
+    """An image request's prompt as the model takes it."""
+
+    real_ids: list[int]  # the prompt's tokens (each image's as the processor expands them)
+    pixels: dict  # the processor's pixel values and their masks (mlx arrays), for get_input_embeddings
+    last_image: int  # the last image token's position: a prefill from past it needs no image
+
+
+class Vision:
+    """mlx-vlm's model (its vision tower, projector and embedding merge) and processor for one checkpoint."""
+
+    def __init__(self, model, processor, config: dict):
+        self.model = model
+        self.processor = processor
+        self.config = config
+        self.image_token_id = int(config.get("image_token_id", config.get("image_token_index", -1)))
+
+    def input(
+        self, prompt: str, pictures: list[bytes], limits: Limits, vocab_size: int
+    ) -> tuple[list[int], VisionInput]:
+        """(the prompt cache's key ids, the model's input) for a prompt text laid out by the chat template with one
+        image marker per image, in order; an image over a limit or that cannot be decoded is refused naming it."""
+        if len(pictures) > limits.images:
+            raise InvalidRequest("messages", f"{len(pictures)} images, more than the {limits.images} allowed")
+        decoded = [check(data, limits, f"image {i}") for i, data in enumerate(pictures)]
+        try:
+            out = self.processor(text=[prompt], images=decoded, return_tensors="np")
+        except Exception as error:  # noqa: BLE001 - the processor's own refusal (a template without image markers)
+            raise InvalidRequest("messages", f"the model's processor refused the images: {error}") from None
+        ids = [int(t) for t in np.asarray(out["input_ids"])[0]]
+        positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if not positions:
+            raise InvalidRequest("messages", "the chat template laid out no image (it does not take images)")
+        per_image = len(positions) // len(pictures)
+        keys = list(ids)
+        for n, position in enumerate(positions):  # each image's tokens keyed by its digest
+            picture = pictures[min(n // max(per_image, 1), len(pictures) - 1)]
+            keys[position] = vocab_size + int.from_bytes(digest(picture)[:3], "big") % KEY_SPACE
+        pixels = {
+            name: mx.array(np.asarray(value))
+            for name, value in out.items()
+            if name not in ("input_ids", "attention_mask") and value is not None
+        }
+        return keys, VisionInput(ids, pixels, positions[-1])
+
+    def embeddings(self, vision_input: VisionInput) -> mx.array:
+        """The whole prompt's input embeddings (1, L, hidden): the images' features where their tokens are."""
+        ids = mx.array(vision_input.real_ids)[None]
+        pixels = dict(vision_input.pixels)
+        values = pixels.pop("pixel_values")
+        out = self.model.get_input_embeddings(ids, values, **pixels)
+        return getattr(out, "inputs_embeds", out)
+
+
+def load(folder: Path, dtype: str):
+    """(text model, tokenizer, text config, Vision) for a vision-language checkpoint; ModelLoadError otherwise."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlx_lm.utils import _get_classes
+    from mlx_vlm import load as vlm_load
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    kind = config.get("model_type", "")
+    if kind not in PLAIN_POSITIONS:
+        raise ModelLoadError(
+            folder,
+            f"a {kind!r} vision model is not served yet (served: {', '.join(PLAIN_POSITIONS)}: language models whose "
+            "positions are a plain decoder's)",
+        )
+    model, processor = vlm_load(str(folder))
+    if dtype == "float32":
+        model.set_dtype(mx.float32)
+    text_config = dict(config["text_config"])
+    text_config.setdefault("vocab_size", config.get("vocab_size"))
+    text_config.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    model_class, args_class = _get_classes(text_config)
+    text = model_class(args_class.from_dict(text_config))
+    ours = {name for name, _ in tree_flatten(text.parameters())}
+    weights = []
+    for name, value in tree_flatten(model.language_model.parameters()):  # mlx-vlm's names, as mlx-lm's
+        weights.append((name if name in ours else f"model.{name}", value))
+    text.load_weights(weights, strict=True)  # the same arrays: nothing copied
+    assert isinstance(text, nn.Module)
+    mx.eval(model.parameters())
+    tokenizer = load_tokenizer(Path(folder), eos_token_ids=config.get("eos_token_id"))
+    text_config.setdefault("max_position_embeddings", 8192)
+    return text, tokenizer, text_config, Vision(model, processor, config)

@@ -1,0 +1,263 @@
+"""A model that sees (issue #39): images in each API, served through the runner as mlx-vlm serves them.
+
+The model is ``models/vision/smolvlm`` (``make vision-model``, ``models/train_vision.py``): SmolVLM's real
+architecture, processor and chat template with random weights (no vision model can be fetched here). Its greedy
+tokens through the supervisor are mlx-vlm's own ``generate``'s on the same image and prompt, from every API, alone
+and batched; a second turn about one image takes its prefill from the prompt cache; hostile images are refused
+with a 400 naming the part, and the runner goes on.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.processes import SupervisorProcess, model_toml
+
+VISION_MODEL = Path(__file__).resolve().parents[1] / "models" / "vision" / "smolvlm"
+ASK = "Describe the image."
+TOKENS = 12
+
+
+def png(seed: int = 0, size=(64, 48)) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def sup(tmp_path_factory):
+    assert (VISION_MODEL / "config.json").is_file(), f"{VISION_MODEL} is missing: run `make vision-model`"
+    models = model_toml("seer", target=VISION_MODEL, draft=None) + model_toml("reader")
+    process = SupervisorProcess(tmp_path_factory.mktemp("vision"), models).wait_ready(180)
+    yield process
+    assert process.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """mlx-vlm's own greedy tokens for an image (``generate`` on the model's processor and template)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlx_vlm import generate, load
+    from PIL import Image
+
+    model, processor = load(str(VISION_MODEL))
+    tokenizer = load_tokenizer(VISION_MODEL)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ASK}]}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def tokens(data: bytes) -> list[int]:
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+        result = generate(model, processor, prompt, image=[image], max_tokens=TOKENS, temperature=0.0)
+        return [int(t) for t in result.token_ids]
+
+    return tokens
+
+
+def grpc_answer(sup, data: bytes, **fields):
+    chunks = list(
+        sup.client.generate(
+            timeout=60,
+            model="seer",
+            messages=[{"role": "user", "content": ASK, "images": [data]}],
+            max_tokens=TOKENS,
+            **fields,
+        )
+    )
+    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
+
+
+def test_every_api_answers_an_image_as_mlx_vlm_does(sup, reference):
+    image = png(1)
+    ids, text, _ = grpc_answer(sup, image)
+    assert ids == reference(image)
+    assert ids != reference(png(2)), "the image makes no difference to the model"
+    openai = sup.openai()
+    content = [{"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": ASK}]
+    answer = openai.chat.completions.create(
+        model="seer", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=TOKENS
+    )
+    assert answer.choices[0].message.content == text
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}
+    message = sup.anthropic().messages.create(
+        model="seer",
+        max_tokens=TOKENS,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": ASK}]}],
+    )
+    assert message.content[0].text == text
+    ollama = sup.ollama().chat(
+        model="seer",
+        messages=[{"role": "user", "content": ASK, "images": [image]}],
+        options={"temperature": 0, "num_predict": TOKENS},
+    )
+    assert ollama.message.content == text
+    response = openai.responses.create(
+        model="seer",
+        temperature=0,
+        max_output_tokens=TOKENS,
+        input=[
+            {
+                "role": "user",
+                "content": [{"type": "input_image", "image_url": data_url(image)}, {"type": "input_text", "text": ASK}],
+            }
+        ],
+    )
+    assert response.output_text == text
+
+
+def test_images_batched_answer_as_alone(sup, reference):
+    """Four image requests at once (new images: each prefilled with its image, then decoded in one batch) answer
+    as mlx-vlm does for each alone."""
+    images = [png(10 + i, size=(40 + 8 * i, 40)) for i in range(4)]
+    with ThreadPoolExecutor(len(images)) as pool:
+        batched = list(pool.map(lambda image: grpc_answer(sup, image)[0], images))
+    assert batched == [reference(image) for image in images]
+
+
+def test_a_second_turn_about_an_image_takes_its_prefill_from_the_cache(sup):
+    image = png(20)
+    first, _, last = grpc_answer(sup, image)
+    again, _, cached = grpc_answer(sup, image)
+    assert again == first and cached.stats.cached_tokens == last.stats.prompt_tokens - 1
+    other, _, missed = grpc_answer(sup, png(21))  # the same text, another image: not the same prefix
+    assert missed.stats.cached_tokens < last.stats.prompt_tokens - 16 and other != first
+
+
+def test_a_text_request_to_a_model_that_sees_is_a_text_request(sup):
+    chunks = list(
+        sup.client.generate(timeout=60, model="seer", messages=[{"role": "user", "content": ASK}], max_tokens=8)
+    )
+    assert sum(len(c.token_ids) for c in chunks) == 8 or chunks[-1].finish_reason
+
+
+def bomb() -> bytes:
+    """A PNG of a few hundred bytes whose header claims 100000 x 100000 pixels."""
+    data = bytearray(png(0, size=(8, 8)))
+    width_height = struct.pack(">II", 100_000, 100_000)
+    data[16:24] = width_height
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])) & 0xFFFFFFFF)
+    return bytes(data)
+
+
+def animated_gif() -> bytes:
+    from PIL import Image
+
+    frames = [Image.new("RGB", (16, 16), color) for color in ("red", "blue")]
+    out = io.BytesIO()
+    frames[0].save(out, "GIF", save_all=True, append_images=frames[1:])
+    return out.getvalue()
+
+
+def truncated_jpeg() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(out, "JPEG")
+    return out.getvalue()[: len(out.getvalue()) // 2]
+
+
+SVG = b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><rect width="10" height="10"/></svg>'
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        (data_url(bomb()), "pixels allowed"),
+        (data_url(truncated_jpeg(), "jpeg"), "cannot be decoded"),
+        (data_url(SVG, "svg+xml"), "not an image"),
+        (data_url(animated_gif(), "gif"), "animated"),
+        ("http://127.0.0.1:9/cat.png", "not fetched"),
+        ("data:image/png;base64,%%%", "base64"),
+    ],
+)
+def test_hostile_images_are_refused_and_the_runner_goes_on(sup, url, words):
+    import anthropic
+    import openai
+
+    pid = sup.client.model("seer").pid
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": ASK}]
+    with pytest.raises(openai.BadRequestError, match=words):
+        sup.openai().chat.completions.create(
+            model="seer", messages=[{"role": "user", "content": content}], max_tokens=4
+        )
+    if url.startswith("data:") and ";base64," in url:
+        source = {"type": "base64", "media_type": "image/png", "data": url.split(",", 1)[1]}
+        with pytest.raises(anthropic.BadRequestError, match=words):
+            sup.anthropic().messages.create(
+                model="seer",
+                max_tokens=4,
+                messages=[
+                    {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "?"}]}
+                ],
+            )
+    assert sup.client.model("seer").pid == pid
+
+
+def test_a_body_too_large_and_too_many_images_are_refused(sup):
+    import openai
+
+    pid = sup.client.model("seer").pid
+    huge = data_url(np.random.default_rng(0).integers(0, 256, 20 * 2**20, dtype=np.uint8).tobytes())
+    content = [{"type": "image_url", "image_url": {"url": huge}}, {"type": "text", "text": ASK}]
+    with pytest.raises(openai.BadRequestError):
+        sup.openai().chat.completions.create(
+            model="seer", messages=[{"role": "user", "content": content}], max_tokens=4
+        )
+    many = [{"type": "image_url", "image_url": {"url": data_url(png(i, size=(8, 8)))}} for i in range(9)]
+    with pytest.raises(openai.BadRequestError, match="more than the 8 allowed"):
+        sup.openai().chat.completions.create(model="seer", messages=[{"role": "user", "content": many}], max_tokens=4)
+    assert sup.client.model("seer").pid == pid
+
+
+def test_a_model_that_reads_text_only_refuses_images_in_each_api(sup):
+    import anthropic
+    import ollama
+    import openai
+
+    image = png(5)
+    content = [{"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": ASK}]
+    with pytest.raises(openai.BadRequestError, match="does not take images"):
+        sup.openai().chat.completions.create(model="reader", messages=[{"role": "user", "content": content}])
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}
+    with pytest.raises(anthropic.BadRequestError, match="does not take images"):
+        sup.anthropic().messages.create(
+            model="reader",
+            max_tokens=4,
+            messages=[
+                {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": ASK}]}
+            ],
+        )
+    with pytest.raises(ollama.ResponseError, match="does not take images"):
+        sup.ollama().chat(model="reader", messages=[{"role": "user", "content": ASK, "images": [image]}])
+
+
+def test_the_memory_estimate_counts_the_vision_tower(reference):
+    """The footprint the supervisor admits a model by (common.footprint: the checkpoint's safetensors headers) holds
+    every weight mlx-vlm loads, the vision tower's and projector's with the language model's; an image's tokens are
+    prompt tokens, counted in the KV cache as any."""
+    from mlx.utils import tree_flatten
+    from mlx_vlm import load
+
+    from common.footprint import ModelFootprint
+
+    model, _ = load(str(VISION_MODEL))
+    loaded = sum(value.size for _, value in tree_flatten(model.parameters()))
+    vision = sum(value.size for _, value in tree_flatten(model.vision_model.parameters()))
+    footprint = ModelFootprint.of(VISION_MODEL)
+    assert footprint.parameters == loaded and vision > 0
+    assert footprint.layers == 2 and footprint.kv_heads == 1  # the language model's, for the KV cache
