@@ -36,7 +36,7 @@ real-model: install
 vocabularies: install
 	$(BIN)/python models/gguf_vocabs.py
 
-# A tiny SmolVLM with random weights (SmolLM2's tokenizer, SmolVLM's processor and template) into models/vision,
+# A tiny SmolVLM and LLaVA with random weights (SmolLM2's tokenizer, their processors and templates) into models/vision,
 # for issue #39's tests (seconds).
 vision-model: install real-model
 	$(BIN)/python models/train_vision.py

@@ -1,7 +1,8 @@
 """A model that sees (issue #39): images in each API, served through the runner as mlx-vlm serves them.
 
-The model is ``models/vision/smolvlm`` (``make vision-model``, ``models/train_vision.py``): SmolVLM's real
-architecture, processor and chat template with random weights (no vision model can be fetched here). Its greedy
+The models are ``models/vision/smolvlm`` and ``models/vision/llava`` (``make vision-model``,
+``models/train_vision.py``): SmolVLM's and LLaVA-1.5's real architectures, processors and chat templates with
+random weights (no vision model can be fetched here). Its greedy
 tokens through the supervisor are mlx-vlm's own ``generate``'s on the same image and prompt, from every API, alone
 and batched; a second turn about one image takes its prefill from the prompt cache; hostile images are refused
 with a 400 naming the part, and the runner goes on.
@@ -22,6 +23,7 @@ import pytest
 from tests.processes import SupervisorProcess, model_toml
 
 VISION_MODEL = Path(__file__).resolve().parents[1] / "models" / "vision" / "smolvlm"
+LLAVA_MODEL = VISION_MODEL.parent / "llava"
 ASK = "Describe the image."
 TOKENS = 12
 
@@ -42,21 +44,40 @@ def data_url(data: bytes, kind: str = "png") -> str:
 @pytest.fixture(scope="module")
 def sup(tmp_path_factory):
     assert (VISION_MODEL / "config.json").is_file(), f"{VISION_MODEL} is missing: run `make vision-model`"
-    models = model_toml("seer", target=VISION_MODEL, draft=None) + model_toml("reader")
+    models = (
+        model_toml("seer", target=VISION_MODEL, draft=None)
+        + model_toml("looker", target=LLAVA_MODEL, draft=None)
+        + model_toml("reader")
+    )
     process = SupervisorProcess(tmp_path_factory.mktemp("vision"), models).wait_ready(180)
     yield process
     assert process.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """mlx-vlm's own greedy tokens for an image (``generate`` on the model's processor and template)."""
+def own_kwargs_only(processor) -> None:
+    """mlx-vlm 0.7.10's generate passes ``padding=True`` to the processor, which its LlavaProcessor hands on to
+    transformers 5's image processor, which refuses it (mlx-vlm issue #870): the image processor is made to take
+    only its own arguments. (The runner calls the processor without them.)"""
+    image_processor = processor.image_processor
+    kinds = image_processor.valid_kwargs
+    valid = set(kinds.__required_keys__) | set(kinds.__optional_keys__)
+    preprocess = image_processor.preprocess
+    image_processor.preprocess = lambda images, *args, **kwargs: preprocess(
+        images, *args, **{k: v for k, v in kwargs.items() if k in valid}
+    )
+
+
+def mlx_vlm_reference(folder: Path):
+    """mlx-vlm's own greedy tokens for an image on the model in ``folder`` (``generate`` on its processor and
+    template)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from mlx_vlm import generate, load
     from PIL import Image
 
-    model, processor = load(str(VISION_MODEL))
-    tokenizer = load_tokenizer(VISION_MODEL)
+    model, processor = load(str(folder))
+    if "llava" in folder.name:
+        own_kwargs_only(processor)
+    tokenizer = load_tokenizer(folder)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ASK}]}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -68,11 +89,16 @@ def reference():
     return tokens
 
 
-def grpc_answer(sup, data: bytes, **fields):
+@pytest.fixture(scope="module")
+def reference():
+    return mlx_vlm_reference(VISION_MODEL)
+
+
+def grpc_answer(sup, data: bytes, model: str = "seer", **fields):
     chunks = list(
         sup.client.generate(
             timeout=60,
-            model="seer",
+            model=model,
             messages=[{"role": "user", "content": ASK, "images": [data]}],
             max_tokens=TOKENS,
             **fields,
@@ -261,3 +287,59 @@ def test_the_memory_estimate_counts_the_vision_tower(reference):
     footprint = ModelFootprint.of(VISION_MODEL)
     assert footprint.parameters == loaded and vision > 0
     assert footprint.layers == 2 and footprint.kv_heads == 1  # the language model's, for the KV cache
+
+
+def test_the_disk_tier_keeps_an_image_prefix_across_a_restart(tmp_path, reference):
+    """With prompt_cache_dir, a prefix that holds an image outlives its runner: the next supervisor's first request
+    about the same image takes the prefix from disk (keyed by the image's digest) and answers as before."""
+    image = png(30)
+    system = "You describe pictures. " * 60  # past the disk tier's smallest entry (runner.prompt_disk)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": ASK, "images": [image]}]
+    toml = model_toml("seer", target=VISION_MODEL, draft=None, prompt_cache_dir=str(tmp_path / "disk"))
+
+    def answer(sup, picture=image):
+        chunks = list(
+            sup.client.generate(
+                timeout=60,
+                model="seer",
+                messages=[messages[0], {**messages[1], "images": [picture]}],
+                max_tokens=TOKENS,
+            )
+        )
+        return [t for c in chunks for t in c.token_ids], chunks[-1].stats
+
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    first = SupervisorProcess(tmp_path / "one", toml).wait_ready(180)
+    try:
+        tokens, stats = answer(first)
+        assert stats.prompt_tokens > 256 and stats.cached_tokens == 0
+    finally:
+        assert first.stop() == 0
+    second = SupervisorProcess(tmp_path / "two", toml).wait_ready(180)
+    try:
+        again, cached = answer(second)
+        assert again == tokens and cached.cached_tokens == stats.prompt_tokens - 1
+        _, other = answer(second, png(31))  # another image after the same system text: only the text is shared
+        assert other.cached_tokens < stats.prompt_tokens - 16
+    finally:
+        assert second.stop() == 0
+
+
+def test_a_second_family_answers_as_mlx_vlm_does(sup):
+    """LLaVA-1.5's layout (a CLIP tower, a projector, a llama): alone, batched, and a second turn from the cache,
+    as mlx-vlm's generate answers."""
+    reference = mlx_vlm_reference(LLAVA_MODEL)
+    image = png(40)
+    ids, text, last = grpc_answer(sup, image, "looker")
+    assert ids == reference(image) and ids != reference(png(41))
+    content = [{"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": ASK}]
+    answer = sup.openai().chat.completions.create(
+        model="looker", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=TOKENS
+    )
+    assert answer.choices[0].message.content == text
+    assert answer.usage.prompt_tokens_details.cached_tokens == last.stats.prompt_tokens - 1
+    images = [png(42 + i, size=(30 + 10 * i, 50)) for i in range(3)]
+    with ThreadPoolExecutor(len(images)) as pool:
+        batched = list(pool.map(lambda picture: grpc_answer(sup, picture, "looker")[0], images))
+    assert batched == [reference(picture) for picture in images]
