@@ -356,6 +356,17 @@ class RunnerSettings:
     max_image_pixels: int = setting(
         25_000_000, "int", "the most pixels (width x height) one image may have, read from its header before decoding"
     )
+    image_urls: str = setting(
+        "off",
+        "str",
+        'http(s) image URLs: "off" (refused: send images as data) or "public" (fetched from public addresses only, '
+        "no redirects, max_image_bytes, 10 s)",
+    )
+    image_url_hosts: str = setting(
+        "",
+        "str",
+        "hosts whose image URLs are fetched even at a private address (an internal image server), comma-separated",
+    )
     debug_rpcs: bool = setting(False, "bool", "debug: enable the DebugBlock RPC")
 
     def __post_init__(self):
@@ -427,6 +438,8 @@ class RunnerSettings:
                 "reasoning_format",
                 f"{self.reasoning_format!r} is not one of auto, none, {', '.join(REASONING_FORMATS)}",
             )
+        if self.image_urls not in ("off", "public"):
+            raise SettingsError("image_urls", f"{self.image_urls!r} is not one of off, public")
         for name in ("max_images", "max_image_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise SettingsError(name, "must be at least 1")

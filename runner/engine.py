@@ -139,7 +139,13 @@ class Engine:
         self.reasoning = of_setting(settings.reasoning_format, reasoning_of(self.tokenizer))
         # A model that sees (runner.vision): its images' limits are the settings'.
         self.vision = target.vision
-        self.image_limits = Limits(settings.max_images, settings.max_image_bytes, settings.max_image_pixels)
+        self.image_limits = Limits(
+            settings.max_images,
+            settings.max_image_bytes,
+            settings.max_image_pixels,
+            settings.image_urls,
+            tuple(host.strip() for host in settings.image_url_hosts.split(",") if host.strip()),
+        )
         self.device = device_name()
         self.dtype_reason = dtype_reason or f"dtype = {target.dtype!r}"
         self.cache_limit = apply_cache_limit(settings.cache_limit)

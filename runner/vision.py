@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.errors import InvalidRequest, ModelLoadError
-from common.images import Limits, check, digest
+from common.images import URL_IMAGE, Limits, check, digest, fetch
 
 # Language models whose token positions are those of a plain decoder (images are runs of tokens): mlx-lm's class
 # for them decodes the checkpoint's text.
@@ -68,6 +68,12 @@ class Vision:
         image marker per image, in order; an image over a limit or that cannot be decoded is refused naming it."""
         if len(pictures) > limits.images:
             raise InvalidRequest("messages", f"{len(pictures)} images, more than the {limits.images} allowed")
+        pictures = [  # an image given by URL: fetched (where allowed), then keyed and checked as any
+            fetch(data[len(URL_IMAGE) :].decode(errors="replace"), limits, f"image {i}")
+            if data.startswith(URL_IMAGE)
+            else data
+            for i, data in enumerate(pictures)
+        ]
         decoded = [check(data, limits, f"image {i}") for i, data in enumerate(pictures)]
         try:
             out = self.processor(text=[prompt], images=decoded, return_tensors="np")

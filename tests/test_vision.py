@@ -47,6 +47,8 @@ def sup(tmp_path_factory):
     models = (
         model_toml("seer", target=VISION_MODEL, draft=None)
         + model_toml("looker", target=LLAVA_MODEL, draft=None)
+        + model_toml("fetcher", target=VISION_MODEL, draft=None, image_urls="public")
+        + model_toml("intranet", target=VISION_MODEL, draft=None, image_urls="public", image_url_hosts="127.0.0.1")
         + model_toml("reader")
     )
     process = SupervisorProcess(tmp_path_factory.mktemp("vision"), models).wait_ready(180)
@@ -207,7 +209,7 @@ SVG = b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><rect wid
         (data_url(truncated_jpeg(), "jpeg"), "cannot be decoded"),
         (data_url(SVG, "svg+xml"), "not an image"),
         (data_url(animated_gif(), "gif"), "animated"),
-        ("http://127.0.0.1:9/cat.png", "not fetched"),
+        ("http://127.0.0.1:9/cat.png", "not fetched for this model"),
         ("data:image/png;base64,%%%", "base64"),
     ],
 )
@@ -343,3 +345,61 @@ def test_a_second_family_answers_as_mlx_vlm_does(sup):
     with ThreadPoolExecutor(len(images)) as pool:
         batched = list(pool.map(lambda picture: grpc_answer(sup, picture, "looker")[0], images))
     assert batched == [reference(picture) for picture in images]
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    """A stand-in for a web server that holds images (nothing public can be reached from here): on loopback, so
+    only a model whose image_url_hosts names 127.0.0.1 may fetch from it."""
+    import http.server
+    import threading
+
+    image = png(50)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/cat.png":
+                body, status, headers = image, 200, {"Content-Type": "image/png"}
+            elif self.path == "/redirect":
+                body, status, headers = b"", 302, {"Location": "/cat.png"}
+            elif self.path == "/big":
+                body, status, headers = b"x" * (6 * 2**20), 200, {"Content-Type": "image/png"}
+            else:
+                body, status, headers = b"no", 404, {}
+            self.send_response(status)
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", image
+    server.shutdown()
+
+
+def test_image_urls_are_fetched_only_where_allowed_and_never_from_a_private_address(sup, image_server):
+    import openai
+
+    base, image = image_server
+
+    def ask(model, url):
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": ASK}]
+        return sup.openai().chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=TOKENS
+        )
+
+    with pytest.raises(openai.BadRequestError, match="image_urls setting is off"):
+        ask("seer", f"{base}/cat.png")
+    for url in (f"{base}/cat.png", base.replace("127.0.0.1", "localhost") + "/cat.png"):
+        with pytest.raises(openai.BadRequestError, match="is not a public address"):
+            ask("fetcher", url)
+    fetched = ask("intranet", f"{base}/cat.png").choices[0].message.content
+    assert fetched == grpc_answer(sup, image, "intranet")[1]  # the same answer as the image sent as data
+    for path, words in (("/redirect", "redirects are not followed"), ("/big", "more than"), ("/none", "answered 404")):
+        with pytest.raises(openai.BadRequestError, match=words):
+            ask("intranet", base + path)
