@@ -238,8 +238,10 @@ def test_hostile_images_are_refused_and_the_runner_goes_on(sup, url, words):
 
 def test_a_body_too_large_and_too_many_images_are_refused(sup):
     import openai
+    import psutil
 
     pid = sup.client.model("seer").pid
+    before = psutil.Process(pid).memory_info().rss
     huge = data_url(np.random.default_rng(0).integers(0, 256, 20 * 2**20, dtype=np.uint8).tobytes())
     content = [{"type": "image_url", "image_url": {"url": huge}}, {"type": "text", "text": ASK}]
     with pytest.raises(openai.BadRequestError):
@@ -249,7 +251,12 @@ def test_a_body_too_large_and_too_many_images_are_refused(sup):
     many = [{"type": "image_url", "image_url": {"url": data_url(png(i, size=(8, 8)))}} for i in range(9)]
     with pytest.raises(openai.BadRequestError, match="more than the 8 allowed"):
         sup.openai().chat.completions.create(model="seer", messages=[{"role": "user", "content": many}], max_tokens=4)
+    for _ in range(3):  # the bomb again: refused from its header, nothing decoded
+        with pytest.raises(openai.BadRequestError, match="pixels allowed"):
+            bombed = [{"type": "image_url", "image_url": {"url": data_url(bomb())}}]
+            sup.openai().chat.completions.create(model="seer", messages=[{"role": "user", "content": bombed}])
     assert sup.client.model("seer").pid == pid
+    assert psutil.Process(pid).memory_info().rss - before < 64 * 2**20  # its RSS stays where it was
 
 
 def test_a_model_that_reads_text_only_refuses_images_in_each_api(sup):
