@@ -31,7 +31,7 @@ from common.images import URL_IMAGE, Limits, check, digest, fetch
 
 # Language models whose token positions are those of a plain decoder (images are runs of tokens): mlx-lm's class
 # for them decodes the checkpoint's text.
-PLAIN_POSITIONS = ("smolvlm", "idefics3", "idefics2", "llava")
+PLAIN_POSITIONS = ("smolvlm", "idefics3", "idefics2", "llava", "gemma3")
 KEY_SPACE = 2**24  # image ids in the prompt cache's keys: vocab_size + a digest's first 3 bytes
 
 
@@ -93,6 +93,8 @@ class Vision:
             for name, value in out.items()
             if name not in ("input_ids", "attention_mask") and value is not None
         }
+        if out.get("attention_mask") is not None:  # as mlx-vlm's generate passes it (Gemma 3 builds its mask from it)
+            pixels["mask"] = mx.array(np.asarray(out["attention_mask"]))
         return keys, VisionInput(ids, pixels, positions[-1])
 
     def embeddings(self, vision_input: VisionInput) -> mx.array:
@@ -131,7 +133,10 @@ def load(folder: Path, dtype: str):
     ours = {name for name, _ in tree_flatten(text.parameters())}
     weights = []
     for name, value in tree_flatten(model.language_model.parameters()):  # mlx-vlm's names, as mlx-lm's
-        weights.append((name if name in ours else f"model.{name}", value))
+        if name in ours or f"model.{name}" in ours:
+            weights.append((name if name in ours else f"model.{name}", value))
+        elif name != "lm_head.weight":  # mlx-vlm keeps a copy of tied embeddings as a head (Gemma 3's)
+            raise ModelLoadError(folder, f"the language model's {name} has no place in mlx-lm's {kind} text model")
     text.load_weights(weights, strict=True)  # the same arrays: nothing copied
     assert isinstance(text, nn.Module)
     mx.eval(model.parameters())

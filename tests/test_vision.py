@@ -24,6 +24,7 @@ from tests.processes import SupervisorProcess, model_toml
 
 VISION_MODEL = Path(__file__).resolve().parents[1] / "models" / "vision" / "smolvlm"
 LLAVA_MODEL = VISION_MODEL.parent / "llava"
+GEMMA3_MODEL = VISION_MODEL.parent / "gemma3"
 ASK = "Describe the image."
 TOKENS = 12
 
@@ -47,6 +48,7 @@ def sup(tmp_path_factory):
     models = (
         model_toml("seer", target=VISION_MODEL, draft=None)
         + model_toml("looker", target=LLAVA_MODEL, draft=None)
+        + model_toml("gazer", target=GEMMA3_MODEL, draft=None)
         + model_toml("fetcher", target=VISION_MODEL, draft=None, image_urls="public")
         + model_toml("intranet", target=VISION_MODEL, draft=None, image_urls="public", image_url_hosts="127.0.0.1")
         + model_toml("reader")
@@ -80,6 +82,7 @@ def mlx_vlm_reference(folder: Path):
     if "llava" in folder.name:
         own_kwargs_only(processor)
     tokenizer = load_tokenizer(folder)
+    # As the runner lays a message out: its images, then its text.
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ASK}]}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -335,22 +338,23 @@ def test_the_disk_tier_keeps_an_image_prefix_across_a_restart(tmp_path, referenc
         assert second.stop() == 0
 
 
-def test_a_second_family_answers_as_mlx_vlm_does(sup):
-    """LLaVA-1.5's layout (a CLIP tower, a projector, a llama): alone, batched, and a second turn from the cache,
-    as mlx-vlm's generate answers."""
-    reference = mlx_vlm_reference(LLAVA_MODEL)
+@pytest.mark.parametrize(("model", "folder"), [("looker", LLAVA_MODEL), ("gazer", GEMMA3_MODEL)])
+def test_other_families_answer_as_mlx_vlm_does(sup, model, folder):
+    """LLaVA-1.5's layout (a CLIP tower, a projector, a llama) and Gemma 3's (SigLIP, a pooling projector, gemma3
+    with its sliding layers): alone, batched, and a second turn from the cache, as mlx-vlm's generate answers."""
+    reference = mlx_vlm_reference(folder)
     image = png(40)
-    ids, text, last = grpc_answer(sup, image, "looker")
+    ids, text, last = grpc_answer(sup, image, model)
     assert ids == reference(image) and ids != reference(png(41))
     content = [{"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": ASK}]
     answer = sup.openai().chat.completions.create(
-        model="looker", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=TOKENS
+        model=model, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=TOKENS
     )
     assert answer.choices[0].message.content == text
     assert answer.usage.prompt_tokens_details.cached_tokens == last.stats.prompt_tokens - 1
     images = [png(42 + i, size=(30 + 10 * i, 50)) for i in range(3)]
     with ThreadPoolExecutor(len(images)) as pool:
-        batched = list(pool.map(lambda picture: grpc_answer(sup, picture, "looker")[0], images))
+        batched = list(pool.map(lambda picture: grpc_answer(sup, picture, model)[0], images))
     assert batched == [reference(picture) for picture in images]
 
 
