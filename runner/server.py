@@ -354,6 +354,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             max_draft_tokens=engine.settings.max_draft_tokens,
             max_output_tokens=engine.settings.max_output_tokens,
             reasoning_format=engine.reasoning.kind if engine.reasoning is not None else "",
+            vision=engine.vision is not None,
         )
         if engine.draft is not None:
             response.draft.CopyFrom(model_info(engine.draft))

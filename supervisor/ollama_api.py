@@ -514,6 +514,8 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
             capabilities.append("tools")  # a template without tool support gets the generic layout
         if info is not None and info.reasoning_format:
             capabilities.append("thinking")
+        if info is not None and info.vision:
+            capabilities.append("vision")  # what Ollama's clients look for before they send images
         model_info = {}
         if info is not None:
             model_info = {

@@ -137,6 +137,8 @@ def test_every_api_answers_an_image_as_mlx_vlm_does(sup, reference):
         options={"temperature": 0, "num_predict": TOKENS},
     )
     assert ollama.message.content == text
+    assert "vision" in sup.ollama().show("seer").capabilities
+    assert "vision" not in sup.ollama().show("reader").capabilities
     response = openai.responses.create(
         model="seer",
         temperature=0,
