@@ -107,12 +107,12 @@ class Decoder:
     def _forward_prompt(self, model, cache, context: list[int], start: int, end: int) -> mx.array:
         """The prompt's tokens ``start:end`` through ``model``: an image request's as their embeddings while a
         part holds images (computed once, mlx-vlm's vision tower and projector), else as ids."""
-        if self.seen is None or model is not self.model:
+        if self.seen is None:
             return model(mx.array(context[start:end])[None], cache=cache)
         vision, seen = self.seen
         inputs = mx.array(seen.real_ids[start:end])[None]
-        if start > seen.last_image:  # past its images (a prompt-cache hit holds them): plain text
-            return model(inputs, cache=cache)
+        if model is not self.model or start > seen.last_image:
+            return model(inputs, cache=cache)  # a draft model (it does not see: the image tokens as text), or text
         if self._embedded is None:
             self._embedded = vision.embeddings(seen)
         return model(inputs, cache=cache, input_embeddings=self._embedded[:, start:end])

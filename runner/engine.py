@@ -486,9 +486,8 @@ class Engine:
         key = mx.random.key(prepared.seed)
         cache, held = (reuse.caches[0], reuse.tokens) if reuse.caches else (None, 0)
         seeded_sampling = request.seed is not None and not prepared.params.greedy
-        seen = prepared.vision_input  # an image request: its prompt's images go in as embeddings
-        if seen is not None and drafter == "model":
-            drafter = "none"  # the draft model does not see the images (n-gram lookup works on their text)
+        seen = prepared.vision_input  # an image request: its prompt's images go in as embeddings (a draft model
+        # reads the image tokens as text: it drafts the answer's text, the target verifies)
         if drafter == "none" or pinned == 0 or (seeded_sampling and request.num_draft_tokens is None):
             # A seeded sample draws one key per token, the same alone or in a batch: no drafting unless pinned.
             return PlainDecoder(

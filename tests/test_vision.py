@@ -49,6 +49,7 @@ def sup(tmp_path_factory):
         model_toml("seer", target=VISION_MODEL, draft=None)
         + model_toml("looker", target=LLAVA_MODEL, draft=None)
         + model_toml("gazer", target=GEMMA3_MODEL, draft=None)
+        + model_toml("drafted", target=VISION_MODEL, draft=VISION_MODEL)
         + model_toml("fetcher", target=VISION_MODEL, draft=None, image_urls="public")
         + model_toml("intranet", target=VISION_MODEL, draft=None, image_urls="public", image_url_hosts="127.0.0.1")
         + model_toml("reader")
@@ -151,6 +152,18 @@ def test_every_api_answers_an_image_as_mlx_vlm_does(sup, reference):
         ],
     )
     assert response.output_text == text
+
+
+def test_speculation_keeps_the_answer_with_every_drafter(sup, reference):
+    """An image request speculates: the n-gram lookup over its text, or a draft model of the same vocabulary that
+    reads the image tokens as text (it does not see); the target verifies, so the answer is mlx-vlm's."""
+    image = png(60)
+    expected = reference(image)
+    for model, drafter in (("seer", "ngram"), ("drafted", "model"), ("seer", "none")):
+        ids, _, last = grpc_answer(sup, image, model, drafter=drafter)
+        assert ids == expected and last.stats.drafter == drafter, (model, drafter)
+        if drafter == "model":  # it drafts (blind to the image, so the target keeps few of them)
+            assert last.stats.drafted > 0
 
 
 def test_images_batched_answer_as_alone(sup, reference):
