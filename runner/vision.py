@@ -31,7 +31,7 @@ from common.images import URL_IMAGE, Limits, check, digest, fetch
 
 # Language models whose token positions are those of a plain decoder (images are runs of tokens): mlx-lm's class
 # for them decodes the checkpoint's text.
-PLAIN_POSITIONS = ("smolvlm", "idefics3", "idefics2", "llava", "gemma3")
+PLAIN_POSITIONS = ("smolvlm", "idefics3", "idefics2", "llava", "gemma3", "mistral3")
 KEY_SPACE = 2**24  # image ids in the prompt cache's keys: vocab_size + a digest's first 3 bytes
 
 
@@ -48,7 +48,7 @@ class VisionInput:
     """An image request's prompt as the model takes it."""
 
     real_ids: list[int]  # the prompt's tokens (each image's as the processor expands them)
-    pixels: dict  # the processor's pixel values and their masks (mlx arrays), for get_input_embeddings
+    pixels: dict  # the processor's pixel values and their masks (numpy), for get_input_embeddings
     last_image: int  # the last image token's position: a prefill from past it needs no image
 
 
@@ -88,22 +88,50 @@ class Vision:
         for n, position in enumerate(positions):  # each image's tokens keyed by its digest
             picture = pictures[min(n // max(per_image, 1), len(pictures) - 1)]
             keys[position] = vocab_size + int.from_bytes(digest(picture)[:3], "big") % KEY_SPACE
+        # As numpy here (some processors answer in MLX arrays, evaluated now, on this request's thread); the MLX
+        # thread makes them MLX arrays when it encodes (``embeddings``).
         pixels = {
-            name: mx.array(np.asarray(value))
+            name: np.asarray(value)
             for name, value in out.items()
             if name not in ("input_ids", "attention_mask") and value is not None
         }
         if out.get("attention_mask") is not None:  # as mlx-vlm's generate passes it (Gemma 3 builds its mask from it)
-            pixels["mask"] = mx.array(np.asarray(out["attention_mask"]))
+            pixels["mask"] = np.asarray(out["attention_mask"])
         return keys, VisionInput(ids, pixels, positions[-1])
+
+    def warm_up(self, tokenizer, vocab_size: int) -> None:
+        """Encode one small image now, on the loading thread: what a model computes and keeps on its first image
+        (Pixtral's rotary tables) is then evaluated here, not left as lazy work for the decoding thread (an MLX
+        stream is its thread's own); and a processor or template that cannot take an image fails the load."""
+        import io
+
+        from PIL import Image
+
+        picture = io.BytesIO()
+        Image.new("RGB", (32, 32), (128, 64, 32)).save(picture, "PNG")
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        _, vision_input = self.input(prompt, [picture.getvalue()], Limits(), vocab_size)
+        mx.eval(self.embeddings(vision_input))
 
     def embeddings(self, vision_input: VisionInput) -> mx.array:
         """The whole prompt's input embeddings (1, L, hidden): the images' features where their tokens are."""
         ids = mx.array(vision_input.real_ids)[None]
-        pixels = dict(vision_input.pixels)
+        pixels = {name: mx.array(value) for name, value in vision_input.pixels.items()}
         values = pixels.pop("pixel_values")
         out = self.model.get_input_embeddings(ids, values, **pixels)
         return getattr(out, "inputs_embeds", out)
+
+
+def _hidden_arrays(model) -> list:
+    """Arrays a model keeps outside its parameters (Pixtral's rotary frequencies, ``_inv_freq`` and such), which a
+    lazy computation at load would leave for the decoding thread, whose streams are its own."""
+    out = []
+    for module in model.modules():
+        for value in list(vars(module).values()) + list(module.values()):
+            if isinstance(value, mx.array):
+                out.append(value)
+    return out
 
 
 def load(folder: Path, dtype: str):
@@ -127,7 +155,9 @@ def load(folder: Path, dtype: str):
         model.set_dtype(mx.float32)
     text_config = dict(config["text_config"])
     text_config.setdefault("vocab_size", config.get("vocab_size"))
-    text_config.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    # Tied or not as mlx-vlm reads it (a missing key is False there, True in mlx-lm's llama: Mistral 3's config).
+    tied = getattr(getattr(model.config, "text_config", None), "tie_word_embeddings", None)
+    text_config.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False) if tied is None else tied)
     model_class, args_class = _get_classes(text_config)
     text = model_class(args_class.from_dict(text_config))
     ours = {name for name, _ in tree_flatten(text.parameters())}
@@ -140,6 +170,12 @@ def load(folder: Path, dtype: str):
     text.load_weights(weights, strict=True)  # the same arrays: nothing copied
     assert isinstance(text, nn.Module)
     mx.eval(model.parameters())
+    mx.eval(_hidden_arrays(model))  # computed at load: evaluated here, not lazily on the thread that decodes
     tokenizer = load_tokenizer(Path(folder), eos_token_ids=config.get("eos_token_id"))
     text_config.setdefault("max_position_embeddings", 8192)
-    return text, tokenizer, text_config, Vision(model, processor, config)
+    vision = Vision(model, processor, config)
+    try:
+        vision.warm_up(tokenizer, int(text_config.get("vocab_size") or config.get("vocab_size") or 0))
+    except Exception as error:  # noqa: BLE001 - reported with the folder
+        raise ModelLoadError(folder, f"it cannot encode an image: {type(error).__name__}: {error}") from error
+    return text, tokenizer, text_config, vision

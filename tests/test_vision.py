@@ -25,6 +25,7 @@ from tests.processes import SupervisorProcess, model_toml
 VISION_MODEL = Path(__file__).resolve().parents[1] / "models" / "vision" / "smolvlm"
 LLAVA_MODEL = VISION_MODEL.parent / "llava"
 GEMMA3_MODEL = VISION_MODEL.parent / "gemma3"
+MISTRAL3_MODEL = VISION_MODEL.parent / "mistral3"
 ASK = "Describe the image."
 TOKENS = 12
 
@@ -49,6 +50,7 @@ def sup(tmp_path_factory):
         model_toml("seer", target=VISION_MODEL, draft=None)
         + model_toml("looker", target=LLAVA_MODEL, draft=None)
         + model_toml("gazer", target=GEMMA3_MODEL, draft=None)
+        + model_toml("viewer", target=MISTRAL3_MODEL, draft=None)
         + model_toml("drafted", target=VISION_MODEL, draft=VISION_MODEL)
         + model_toml("fetcher", target=VISION_MODEL, draft=None, image_urls="public")
         + model_toml("intranet", target=VISION_MODEL, draft=None, image_urls="public", image_url_hosts="127.0.0.1")
@@ -353,10 +355,13 @@ def test_the_disk_tier_keeps_an_image_prefix_across_a_restart(tmp_path, referenc
         assert second.stop() == 0
 
 
-@pytest.mark.parametrize(("model", "folder"), [("looker", LLAVA_MODEL), ("gazer", GEMMA3_MODEL)])
+@pytest.mark.parametrize(
+    ("model", "folder"), [("looker", LLAVA_MODEL), ("gazer", GEMMA3_MODEL), ("viewer", MISTRAL3_MODEL)]
+)
 def test_other_families_answer_as_mlx_vlm_does(sup, model, folder):
-    """LLaVA-1.5's layout (a CLIP tower, a projector, a llama) and Gemma 3's (SigLIP, a pooling projector, gemma3
-    with its sliding layers): alone, batched, and a second turn from the cache, as mlx-vlm's generate answers."""
+    """LLaVA-1.5's layout (a CLIP tower, a projector, a llama), Gemma 3's (SigLIP, a pooling projector, gemma3 with
+    its sliding layers) and Mistral 3's (Pixtral, its patch merger, a mistral): alone, batched, and a second turn
+    from the cache, as mlx-vlm's generate answers."""
     reference = mlx_vlm_reference(folder)
     image = png(40)
     ids, text, last = grpc_answer(sup, image, model)
