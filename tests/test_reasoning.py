@@ -332,3 +332,38 @@ def test_an_earlier_turns_reasoning_reaches_a_template_that_keeps_it(sup):
         return answer.prompt_eval_count
 
     assert ollama_tokens(thought) >= ollama_tokens("") + least
+
+
+def test_a_tool_call_grammar_holds_the_answer_after_the_reasoning(sup):
+    """tool_choice required: the reasoning is free (a budget bounds it: this model, trained on sums, rambles before
+    tools), then the answer is a call the grammar held (its arguments valid JSON for the function's parameters)."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
+    answer = sup.openai().chat.completions.create(
+        model="thinker",
+        messages=ASK,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=200,
+        extra_body={"reasoning_budget": 8},
+    )
+    message = answer.choices[0].message
+    assert message.reasoning_content and answer.choices[0].finish_reason == "tool_calls"
+    (call,) = message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "add" and set(arguments) == {"a", "b"}
+    assert all(isinstance(v, int) for v in arguments.values())
