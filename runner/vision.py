@@ -19,7 +19,9 @@ the embeddings mlx-vlm computes (``embeddings``), the rest on ids.
 
 from __future__ import annotations
 
+import collections
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from common.images import URL_IMAGE, Limits, check, digest, fetch
 # for them decodes the checkpoint's text.
 PLAIN_POSITIONS = ("smolvlm", "idefics3", "idefics2", "llava", "gemma3", "mistral3")
 KEY_SPACE = 2**24  # image ids in the prompt cache's keys: vocab_size + a digest's first 3 bytes
+COUNTS_KEPT = 4096  # images whose token counts are remembered
 
 
 def is_vision(folder: Path) -> bool:
@@ -60,6 +63,9 @@ class Vision:
         self.processor = processor
         self.config = config
         self.image_token_id = int(config.get("image_token_id", config.get("image_token_index", -1)))
+        self.one_image_prompt = ""  # the template's layout of one image alone (warm_up): an image's token count
+        self._counts: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # digest -> its tokens
+        self._lock = threading.Lock()  # requests are prepared on gRPC threads
 
     def input(
         self, prompt: str, pictures: list[bytes], limits: Limits, vocab_size: int
@@ -83,11 +89,15 @@ class Vision:
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if not positions:
             raise InvalidRequest("messages", "the chat template laid out no image (it does not take images)")
-        per_image = len(positions) // len(pictures)
         keys = list(ids)
-        for n, position in enumerate(positions):  # each image's tokens keyed by its digest
-            picture = pictures[min(n // max(per_image, 1), len(pictures) - 1)]
-            keys[position] = vocab_size + int.from_bytes(digest(picture)[:3], "big") % KEY_SPACE
+        counts = [self._count(data, image) for data, image in zip(pictures, decoded)]
+        if sum(counts) == len(positions):  # each image's tokens keyed by its digest, in order
+            owners = [i for i, count in enumerate(counts) for _ in range(count)]
+            digests = [digest(data) for data in pictures]
+        else:  # a processor whose counts do not add up: every image token keyed by all the images together
+            owners, digests = [0] * len(positions), [digest(b"".join(digest(data) for data in pictures))]
+        for owner, position in zip(owners, positions):
+            keys[position] = vocab_size + int.from_bytes(digests[owner][:3], "big") % KEY_SPACE
         # As numpy here (some processors answer in MLX arrays, evaluated now, on this request's thread); the MLX
         # thread makes them MLX arrays when it encodes (``embeddings``).
         pixels = {
@@ -98,6 +108,22 @@ class Vision:
         if out.get("attention_mask") is not None:  # as mlx-vlm's generate passes it (Gemma 3 builds its mask from it)
             pixels["mask"] = np.asarray(out["attention_mask"])
         return keys, VisionInput(ids, pixels, positions[-1])
+
+    def _count(self, data: bytes, image) -> int:
+        """How many image tokens ``image`` takes (processed alone, once per image: remembered by its digest)."""
+        key = digest(data)
+        with self._lock:
+            count = self._counts.get(key)
+            if count is not None:
+                self._counts.move_to_end(key)
+                return count
+        out = self.processor(text=[self.one_image_prompt], images=[image], return_tensors="np")
+        count = int((np.asarray(out["input_ids"])[0] == self.image_token_id).sum())
+        with self._lock:
+            self._counts[key] = count
+            while len(self._counts) > COUNTS_KEPT:
+                self._counts.popitem(last=False)
+        return count
 
     def warm_up(self, tokenizer, vocab_size: int) -> None:
         """Encode one small image now, on the loading thread: what a model computes and keeps on its first image
@@ -111,6 +137,7 @@ class Vision:
         Image.new("RGB", (32, 32), (128, 64, 32)).save(picture, "PNG")
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        self.one_image_prompt = prompt
         _, vision_input = self.input(prompt, [picture.getvalue()], Limits(), vocab_size)
         mx.eval(self.embeddings(vision_input))
 

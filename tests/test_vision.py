@@ -74,7 +74,7 @@ def own_kwargs_only(processor) -> None:
     )
 
 
-def mlx_vlm_reference(folder: Path):
+def mlx_vlm_reference(folder: Path, images: int = 1):
     """mlx-vlm's own greedy tokens for an image on the model in ``folder`` (``generate`` on its processor and
     template)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -86,12 +86,12 @@ def mlx_vlm_reference(folder: Path):
         own_kwargs_only(processor)
     tokenizer = load_tokenizer(folder)
     # As the runner lays a message out: its images, then its text.
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ASK}]}]
+    messages = [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": ASK}]}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def tokens(data: bytes) -> list[int]:
-        image = Image.open(io.BytesIO(data)).convert("RGB")
-        result = generate(model, processor, prompt, image=[image], max_tokens=TOKENS, temperature=0.0)
+    def tokens(*data: bytes) -> list[int]:
+        pictures = [Image.open(io.BytesIO(d)).convert("RGB") for d in data]
+        result = generate(model, processor, prompt, image=pictures, max_tokens=TOKENS, temperature=0.0)
         return [int(t) for t in result.token_ids]
 
     return tokens
@@ -102,12 +102,12 @@ def reference():
     return mlx_vlm_reference(VISION_MODEL)
 
 
-def grpc_answer(sup, data: bytes, model: str = "seer", **fields):
+def grpc_answer(sup, data: bytes | list, model: str = "seer", **fields):
     chunks = list(
         sup.client.generate(
             timeout=60,
             model=model,
-            messages=[{"role": "user", "content": ASK, "images": [data]}],
+            messages=[{"role": "user", "content": ASK, "images": data if isinstance(data, list) else [data]}],
             max_tokens=TOKENS,
             **fields,
         )
@@ -434,3 +434,15 @@ def test_image_urls_are_fetched_only_where_allowed_and_never_from_a_private_addr
     for path, words in (("/redirect", "redirects are not followed"), ("/big", "more than"), ("/none", "answered 404")):
         with pytest.raises(openai.BadRequestError, match=words):
             ask("intranet", base + path)
+
+
+def test_images_of_different_sizes_are_keyed_each_by_its_own_tokens(sup):
+    """Mistral 3's images take as many tokens as their size gives (8 for 112x56, 16 for 112x112): the prompt cache
+    keys each image's own tokens by its digest, so a request whose second image differs reuses nothing of it, and
+    answers as mlx-vlm does."""
+    reference = mlx_vlm_reference(MISTRAL3_MODEL, images=2)
+    small, big, other = png(70, size=(112, 56)), png(71, size=(112, 112)), png(72, size=(112, 112))
+    first, _, _ = grpc_answer(sup, [small, big], "viewer")
+    assert first == reference(small, big)
+    second, _, _ = grpc_answer(sup, [small, other], "viewer")  # the first image's prefix is cached, not the second's
+    assert second == reference(small, other)
