@@ -59,8 +59,8 @@ def in_api_words(error: ServiceError, names: dict[str, tuple[str, str]]) -> Serv
     return ServiceError(error.code, message, param)
 
 
-# The Responses API's words for the internal reasoning switches (its reasoning object).
-RESPONSES_NAMES = {"reasoning_effort": ("reasoning", "reasoning.effort")}
+# The Responses API's words for the internal fields: its reasoning object, its input (the internal messages).
+RESPONSES_NAMES = {"reasoning_effort": ("reasoning", "reasoning.effort"), "messages": ("input", "input")}
 
 
 def openai_error(error: ServiceError, prompt_field: str | None = None) -> tuple[int, dict]:
