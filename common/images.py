@@ -143,12 +143,9 @@ def fetch(url: str, limits: Limits, where: str, field: str = "messages", seconds
 
 
 def check(data: bytes, limits: Limits, where: str, field: str = "messages"):
-    """The image decoded (an RGB ``PIL.Image``), or InvalidRequest naming ``where`` and why; an image URL
-    (``url_image``) is fetched first, where the model allows it."""
+    """The image decoded (an RGB ``PIL.Image``), or InvalidRequest naming ``where`` and why (an image URL is
+    fetched before: runner.vision)."""
     from PIL import Image, UnidentifiedImageError
-
-    if data.startswith(URL_IMAGE):
-        data = fetch(data[len(URL_IMAGE) :].decode(errors="replace"), limits, where, field)
 
     if len(data) > limits.bytes:
         raise InvalidRequest(field, f"{where}: the image is {len(data)} bytes, more than the {limits.bytes} allowed")

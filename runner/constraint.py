@@ -312,33 +312,16 @@ class Constraint:
 
     @staticmethod
     def allows(mask: np.ndarray, token: int) -> bool:
-        return token // 8 < mask.size and bool((mask[token // 8] >> (token % 8)) & 1)
+        return allows(mask, token)
 
     def only(self, mask: np.ndarray) -> int | None:
         """The one token ``mask`` allows, if it allows exactly one."""
-        nonzero = np.flatnonzero(mask)
-        if nonzero.size != 1:
-            return None
-        byte = int(nonzero[0])
-        bits = int(mask[byte])
-        if bits & (bits - 1):
-            return None
-        token = byte * 8 + bits.bit_length() - 1
-        return token if token < self.vocab_size else None
+        return only_token(mask, self.vocab_size)
 
     def forced(self, limit: int, stop_ids: frozenset[int]) -> tuple[list[int], np.ndarray]:
         """The tokens the grammar forces from here (consumed), at most ``limit``, stopping before a token in
         ``stop_ids`` (the stopping criteria end a request there); and the mask after them."""
-        tokens = []
-        mask = self.mask()
-        while self.forcing and len(tokens) < limit and not self.matcher.is_stopped():
-            token = self.only(mask)
-            if token is None or token in stop_ids:
-                break
-            self.consume(token)
-            tokens.append(token)
-            mask = self.mask()
-        return tokens, mask
+        return forced_tokens(self, limit, stop_ids)
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token) or self.matcher.is_error():
@@ -356,6 +339,42 @@ class Constraint:
     def finished(self) -> bool:
         """The grammar is complete and its end was consumed."""
         return self.matcher.is_stopped()
+
+
+def allows(mask: np.ndarray | None, token: int) -> bool:
+    """Whether ``mask`` (None: no mask) allows ``token``."""
+    return mask is None or (token // 8 < mask.size and bool((mask[token // 8] >> (token % 8)) & 1))
+
+
+def only_token(mask: np.ndarray | None, vocab_size: int) -> int | None:
+    """The one token ``mask`` allows, if it allows exactly one (None for no mask)."""
+    if mask is None:
+        return None
+    nonzero = np.flatnonzero(mask)
+    if nonzero.size != 1:
+        return None
+    byte = int(nonzero[0])
+    bits = int(mask[byte])
+    if bits & (bits - 1):
+        return None
+    token = byte * 8 + bits.bit_length() - 1
+    return token if token < vocab_size else None
+
+
+def forced_tokens(constraint, limit: int, stop_ids: frozenset[int]) -> tuple[list, np.ndarray | None]:
+    """What ``constraint`` (a Constraint, or runner.thinking's phase) forces from here, consumed: each token its
+    mask allows alone, at most ``limit``, stopping before one in ``stop_ids`` or at the grammar's end; and the
+    mask after them."""
+    tokens = []
+    mask = constraint.mask()
+    while constraint.forcing and len(tokens) < limit and not constraint.finished:
+        token = constraint.only(mask)
+        if token is None or token in stop_ids:
+            break
+        constraint.consume(token)
+        tokens.append(token)
+        mask = constraint.mask()
+    return tokens, mask
 
 
 def apply_masks(logits: mx.array, masks: list[np.ndarray | None]) -> mx.array:

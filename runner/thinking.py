@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .constraint import allows, forced_tokens, only_token
+
 
 class ThinkingPhase:
     def __init__(
@@ -68,34 +70,16 @@ class ThinkingPhase:
 
     @staticmethod
     def allows(mask: np.ndarray | None, token: int) -> bool:
-        return mask is None or (token // 8 < mask.size and bool((mask[token // 8] >> (token % 8)) & 1))
+        return allows(mask, token)
 
     def only(self, mask: np.ndarray | None) -> int | None:
         """The one token ``mask`` allows, if it allows exactly one."""
-        if mask is None:
-            return None
-        nonzero = np.flatnonzero(mask)
-        if nonzero.size != 1:
-            return None
-        bits = int(mask[int(nonzero[0])])
-        if bits & (bits - 1):
-            return None
-        token = int(nonzero[0]) * 8 + bits.bit_length() - 1
-        return token if token < self.vocab_size else None
+        return only_token(mask, self.vocab_size)
 
     def forced(self, limit: int, stop_ids: frozenset[int]) -> tuple[list[int], np.ndarray | None]:
         """The tokens forced from here (consumed): the end marker at the budget, then the grammar's own; at most
         ``limit``, none in ``stop_ids``; and the mask after them."""
-        tokens = []
-        mask = self.mask()
-        while self.forcing and len(tokens) < limit and not self.finished:
-            token = self.only(mask)
-            if token is None or token in stop_ids:
-                break
-            self.consume(token)
-            tokens.append(token)
-            mask = self.mask()
-        return tokens, mask
+        return forced_tokens(self, limit, stop_ids)
 
     # -- following the answer -------------------------------------------------------------------------------
 
