@@ -115,7 +115,10 @@ class Decoder:
             return model(inputs, cache=cache)  # a draft model (it does not see: the image tokens as text), or text
         if self._embedded is None:
             self._embedded = vision.embeddings(seen)
-        return model(inputs, cache=cache, input_embeddings=self._embedded[:, start:end])
+        # M-RoPE (runner.mrope): a part that holds image tokens takes their positions (the model is then a
+        # PositionedModel); the text after the last image is at its index plus the request's delta.
+        positions = {} if seen.positions is None else {"positions": seen.positions[:, start:end]}
+        return model(inputs, cache=cache, input_embeddings=self._embedded[:, start:end], **positions)
 
     def prefill_step(self, planner: PrefillPlanner, sizes: list | None = None) -> bool:
         """Run one planned chunk of the prompt (all but its last token) through the models, each from

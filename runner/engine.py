@@ -46,6 +46,7 @@ from .drafters import ModelDrafter, NgramDrafter
 from .kv_quant import KVQuantization
 from .loading import LoadedModel, load_model
 from .malloc import malloc_trim
+from .mrope import PositionedModel, rope_delta
 from .penalties import Penalties
 from .platform import auto_dtype, device_name
 from .prefill import PrefillPlanner
@@ -415,10 +416,23 @@ class Engine:
         return self._adapted[adapter]
 
     def batch_model(self, batch):
-        """The target as ``batch`` calls it: each row with its own request's adapter."""
-        if self._adapter_rows is None:
-            return self.target.model
-        return AdaptedModel(self.target.model, self._adapter_rows, lambda: [s.prepared.adapter for s in batch.rows])
+        """The target as ``batch`` calls it: each row with its own request's adapter, and its own positions' delta
+        where the model's image tokens take positions of their own (runner.mrope)."""
+        model = self.target.model
+        if self._adapter_rows is not None:
+            model = AdaptedModel(model, self._adapter_rows, lambda: [s.prepared.adapter for s in batch.rows])
+        if self.vision is not None and self.vision.positions is not None:
+            model = PositionedModel(model, self.vision.positions, lambda: [rope_delta(s.prepared) for s in batch.rows])
+        return model
+
+    def _request_model(self, prepared: PreparedRequest):
+        """The target as one request's decoder calls it: with its adapter, and an image request on a model with
+        M-RoPE with its positions (runner.mrope)."""
+        model = self.target_model(prepared.adapter)
+        if prepared.vision_input is not None and self.vision.positions is not None:
+            delta = rope_delta(prepared)
+            model = PositionedModel(model, self.vision.positions, lambda: delta)
+        return model
 
     def prefill_planner(self) -> PrefillPlanner:
         heads = max(
@@ -490,9 +504,7 @@ class Engine:
         # reads the image tokens as text: it drafts the answer's text, the target verifies)
         if drafter == "none" or pinned == 0 or (seeded_sampling and request.num_draft_tokens is None):
             # A seeded sample draws one key per token, the same alone or in a batch: no drafting unless pinned.
-            return PlainDecoder(
-                self.target_model(prepared.adapter), prepared.prompt_ids, prepared.params, key, cache, held
-            )
+            return PlainDecoder(self._request_model(prepared), prepared.prompt_ids, prepared.params, key, cache, held)
         depth = FixedDepth(pinned) if pinned is not None else self.depth[drafter].for_request()
         if drafter == "model":
             draft_cache, draft_held = (
@@ -503,7 +515,7 @@ class Engine:
             context = seen.real_ids if seen is not None else prepared.prompt_ids
             source = NgramDrafter(context, self.settings.ngram_max, self.settings.ngram_min)
         return SpeculativeDecoder(
-            self.target_model(prepared.adapter), prepared.prompt_ids, prepared.params, key, source, depth, cache, held
+            self._request_model(prepared), prepared.prompt_ids, prepared.params, key, source, depth, cache, held
         )
 
     # -- generation ---------------------------------------------------------

@@ -5,8 +5,8 @@ classes, its processor). The runner decodes with mlx-lm's class for the language
 checkpoint's ``text_config`` and holding the same weight arrays (nothing copied), so a text-only request to such a
 model is a text request like any other: speculation, the prompt cache, batching, grammars, tools and reasoning
 work unchanged. Families whose language model positions its tokens as a plain decoder does (SmolVLM / Idefics3,
-LLaVA-style) are served; a family whose positions depend on the image (Qwen2-VL's M-RoPE) is refused at load with
-the reason (not built yet).
+LLaVA-style, Gemma 3, Mistral 3) are served so; Qwen2-VL and Qwen2.5-VL, whose image tokens take positions of
+their own (M-RoPE), are served with the positions mlx-vlm computes for the prompt (``runner.mrope``).
 
 An image request is laid out by the model's chat template (each message as parts: its images, then its text),
 and mlx-vlm's processor expands each image into its image tokens and computes its pixels. What the prompt cache
@@ -31,6 +31,8 @@ import numpy as np
 from common.errors import InvalidRequest, ModelLoadError
 from common.images import URL_IMAGE, Limits, check, digest, fetch
 
+from . import mrope
+
 # Language models whose token positions are those of a plain decoder (images are runs of tokens): mlx-lm's class
 # for them decodes the checkpoint's text.
 PLAIN_POSITIONS = ("smolvlm", "idefics3", "idefics2", "llava", "gemma3", "mistral3")
@@ -53,6 +55,10 @@ class VisionInput:
     real_ids: list[int]  # the prompt's tokens (each image's as the processor expands them)
     pixels: dict  # the processor's pixel values and their masks (numpy), for get_input_embeddings
     last_image: int  # the last image token's position: a prefill from past it needs no image
+    # M-RoPE (runner.mrope): each prompt token's (time, row, column) positions, (3, L), and the delta that the
+    # positions after the prompt add to their index; None and 0 for a model whose positions are plain.
+    positions: np.ndarray | None = None
+    rope_delta: int = 0
 
 
 class Vision:
@@ -64,6 +70,7 @@ class Vision:
         self.config = config
         self.image_token_id = int(config.get("image_token_id", config.get("image_token_index", -1)))
         self.one_image_prompt = ""  # the template's layout of one image alone (warm_up): an image's token count
+        self.positions: mrope.Positions | None = None  # M-RoPE's positions, read by the text model (load)
         self._counts: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # digest -> its tokens
         self._lock = threading.Lock()  # requests are prepared on gRPC threads
 
@@ -107,7 +114,13 @@ class Vision:
         }
         if out.get("attention_mask") is not None:  # as mlx-vlm's generate passes it (Gemma 3 builds its mask from it)
             pixels["mask"] = np.asarray(out["attention_mask"])
-        return keys, VisionInput(ids, pixels, positions[-1])
+        if self.positions is None:
+            return keys, VisionInput(ids, pixels, positions[-1])
+        explicit, deltas = self.model.language_model.get_rope_index(
+            mx.array(ids)[None], image_grid_thw=mx.array(pixels["image_grid_thw"])
+        )
+        explicit = np.asarray(explicit)[:, 0, :]  # (3, L): evaluated here, on this request's thread
+        return keys, VisionInput(ids, pixels, positions[-1], explicit, int(np.asarray(deltas).reshape(-1)[0]))
 
     def _count(self, data: bytes, image) -> int:
         """How many image tokens ``image`` takes (processed alone, once per image: remembered by its digest)."""
@@ -171,16 +184,18 @@ def load(folder: Path, dtype: str):
 
     config = json.loads((Path(folder) / "config.json").read_text())
     kind = config.get("model_type", "")
-    if kind not in PLAIN_POSITIONS:
-        raise ModelLoadError(
-            folder,
-            f"a {kind!r} vision model is not served yet (served: {', '.join(PLAIN_POSITIONS)}: language models whose "
-            "positions are a plain decoder's)",
-        )
+    if kind not in PLAIN_POSITIONS and kind not in mrope.TEXT_MODEL:
+        served = ", ".join((*PLAIN_POSITIONS, *mrope.TEXT_MODEL))
+        raise ModelLoadError(folder, f"a {kind!r} vision model is not served yet (served: {served})")
     model, processor = vlm_load(str(folder))
     if dtype == "float32":
         model.set_dtype(mx.float32)
-    text_config = dict(config["text_config"])
+    if isinstance(config.get("text_config"), dict):
+        text_config = dict(config["text_config"])
+    else:  # Qwen2-VL's layout: the text model's keys at the top level
+        text_config = {k: v for k, v in config.items() if k != "vision_config"}
+    if kind in mrope.TEXT_MODEL:  # mlx-lm's class for the language model ("qwen2_5_vl_text" and such are not one)
+        text_config["model_type"] = mrope.TEXT_MODEL[kind]
     text_config.setdefault("vocab_size", config.get("vocab_size"))
     # Tied or not as mlx-vlm reads it (a missing key is False there, True in mlx-lm's llama: Mistral 3's config).
     tied = getattr(getattr(model.config, "text_config", None), "tie_word_embeddings", None)
@@ -201,6 +216,8 @@ def load(folder: Path, dtype: str):
     tokenizer = load_tokenizer(Path(folder), eos_token_ids=config.get("eos_token_id"))
     text_config.setdefault("max_position_embeddings", 8192)
     vision = Vision(model, processor, config)
+    if kind in mrope.TEXT_MODEL:
+        vision.positions = mrope.install(text, model.language_model)
     try:
         vision.warm_up(tokenizer, int(text_config.get("vocab_size") or config.get("vocab_size") or 0))
     except Exception as error:  # noqa: BLE001 - reported with the folder

@@ -26,6 +26,8 @@ VISION_MODEL = Path(__file__).resolve().parents[1] / "models" / "vision" / "smol
 LLAVA_MODEL = VISION_MODEL.parent / "llava"
 GEMMA3_MODEL = VISION_MODEL.parent / "gemma3"
 MISTRAL3_MODEL = VISION_MODEL.parent / "mistral3"
+QWEN2VL_MODEL = VISION_MODEL.parent / "qwen2_vl"
+QWEN25VL_MODEL = VISION_MODEL.parent / "qwen2_5_vl"
 ASK = "Describe the image."
 TOKENS = 12
 
@@ -51,6 +53,8 @@ def sup(tmp_path_factory):
         + model_toml("looker", target=LLAVA_MODEL, draft=None)
         + model_toml("gazer", target=GEMMA3_MODEL, draft=None)
         + model_toml("viewer", target=MISTRAL3_MODEL, draft=None)
+        + model_toml("qwen", target=QWEN2VL_MODEL, draft=QWEN2VL_MODEL)
+        + model_toml("qwen25", target=QWEN25VL_MODEL, draft=None)
         + model_toml("drafted", target=VISION_MODEL, draft=VISION_MODEL)
         + model_toml("fetcher", target=VISION_MODEL, draft=None, image_urls="public")
         + model_toml("intranet", target=VISION_MODEL, draft=None, image_urls="public", image_url_hosts="127.0.0.1")
@@ -376,6 +380,54 @@ def test_other_families_answer_as_mlx_vlm_does(sup, model, folder):
     with ThreadPoolExecutor(len(images)) as pool:
         batched = list(pool.map(lambda picture: grpc_answer(sup, picture, model)[0], images))
     assert batched == [reference(picture) for picture in images]
+
+
+@pytest.mark.parametrize(("model", "folder"), [("qwen", QWEN2VL_MODEL), ("qwen25", QWEN25VL_MODEL)])
+def test_qwen_vl_positions_answer_as_mlx_vlm_does(sup, model, folder):
+    """Qwen2-VL's and Qwen2.5-VL's M-RoPE: an image's tokens take its grid as positions, and the text after it goes
+    on from the largest + 1 (the models are built so that plain positions give other tokens: a server that ignored
+    M-RoPE fails here). As mlx-vlm's generate answers: alone; drafted by a model (verify passes at the delta);
+    a second turn from the prompt cache; two images of different sizes; batched with each other and with text
+    requests (a delta per row, 0 for text)."""
+    reference = mlx_vlm_reference(folder)
+    image = png(50, size=(112, 112))
+    expected = reference(image)
+    ids, text, last = grpc_answer(sup, image, model, drafter="none")
+    assert ids == expected and ids != reference(png(51, size=(112, 112)))
+    if model == "qwen":
+        drafted, _, stats = grpc_answer(sup, png(52, size=(112, 112)), model, drafter="model", num_draft_tokens=3)
+        assert drafted == reference(png(52, size=(112, 112))) and stats.stats.drafted > 0
+    content = [{"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": ASK}]
+    answer = sup.openai().chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=TOKENS
+    )
+    assert answer.choices[0].message.content == text
+    assert answer.usage.prompt_tokens_details.cached_tokens == last.stats.prompt_tokens - 1
+    small, big = png(53, size=(112, 56)), png(54, size=(112, 112))
+    two, _, _ = grpc_answer(sup, [small, big], model)
+    assert two == mlx_vlm_reference(folder, images=2)(small, big)
+    images = [png(55 + i, size=(56 + 28 * i, 112)) for i in range(3)]
+    prompts = ["Say something.", "Count to three."]
+    alone = [
+        sup.openai().completions.create(model=model, prompt=p, temperature=0, max_tokens=TOKENS).choices[0].text
+        for p in prompts
+    ]
+    with ThreadPoolExecutor(len(images) + len(prompts)) as pool:
+        seen = [pool.submit(lambda picture: grpc_answer(sup, picture, model)[0], picture) for picture in images]
+        read = [
+            pool.submit(
+                lambda p: (
+                    sup.openai()
+                    .completions.create(model=model, prompt=p, temperature=0, max_tokens=TOKENS)
+                    .choices[0]
+                    .text
+                ),
+                p,
+            )
+            for p in prompts
+        ]
+        assert [f.result() for f in seen] == [reference(picture) for picture in images]
+        assert [f.result() for f in read] == alone
 
 
 @pytest.fixture(scope="module")
