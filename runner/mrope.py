@@ -1,6 +1,6 @@
 """Multimodal rotary positions (Qwen2-VL's M-RoPE) on mlx-lm's text model (issue #39).
 
-Qwen2-VL and Qwen2.5-VL give each token three positions (time, row, column), split over the rotary frequencies
+Qwen2-VL, Qwen2.5-VL and Qwen3.5 give each token three positions (time, row, column), split over the rotary frequencies
 in sections. A text token's three are equal, and then M-RoPE is exactly the plain rotary embedding of that
 position: so mlx-lm's ``qwen2`` decodes these models' text as it decodes Qwen2's. An image is different: its
 tokens take the image's grid as positions (16 tokens of a 4x4 grid span 4 positions, not 16), and the text after
@@ -25,8 +25,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-# Vision-language families with M-RoPE whose language model is mlx-lm's text class of that name.
-TEXT_MODEL = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
+# Vision-language families with M-RoPE whose language model is mlx-lm's text class of that name (Qwen3.5's is
+# hybrid: Gated DeltaNet layers, which have no positions, between its attention layers).
+TEXT_MODEL = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_5": "qwen3_5"}
 
 
 class Positions:
@@ -65,7 +66,8 @@ def install(text_model, language_model) -> Positions:
     if len(ours) != len(theirs):
         raise ValueError(f"{len(ours)} text layers against mlx-vlm's {len(theirs)}")
     for layer, their in zip(ours, theirs):
-        layer.self_attn.rope = MRope(layer.self_attn.rope, their.self_attn.rotary_emb, positions)
+        if hasattr(layer, "self_attn"):  # not a linear-attention layer (Qwen3.5's Gated DeltaNet)
+            layer.self_attn.rope = MRope(layer.self_attn.rope, their.self_attn.rotary_emb, positions)
     return positions
 
 

@@ -5,8 +5,8 @@ classes, its processor). The runner decodes with mlx-lm's class for the language
 checkpoint's ``text_config`` and holding the same weight arrays (nothing copied), so a text-only request to such a
 model is a text request like any other: speculation, the prompt cache, batching, grammars, tools and reasoning
 work unchanged. Families whose language model positions its tokens as a plain decoder does (SmolVLM / Idefics3,
-LLaVA-style, Gemma 3, Mistral 3) are served so; Qwen2-VL and Qwen2.5-VL, whose image tokens take positions of
-their own (M-RoPE), are served with the positions mlx-vlm computes for the prompt (``runner.mrope``).
+LLaVA-style, Gemma 3, Mistral 3) are served so; Qwen2-VL, Qwen2.5-VL and Qwen3.5, whose image tokens take
+positions of their own (M-RoPE), are served with the positions mlx-vlm computes for the prompt (``runner.mrope``).
 
 An image request is laid out by the model's chat template (each message as parts: its images, then its text),
 and mlx-vlm's processor expands each image into its image tokens and computes its pixels. What the prompt cache
@@ -205,8 +205,11 @@ def load(folder: Path, dtype: str):
     ours = {name for name, _ in tree_flatten(text.parameters())}
     weights = []
     for name, value in tree_flatten(model.language_model.parameters()):  # mlx-vlm's names, as mlx-lm's
-        if name in ours or f"model.{name}" in ours:
-            weights.append((name if name in ours else f"model.{name}", value))
+        # mlx-lm's name: the same, under "model." (mlx-vlm's language model is mlx-lm's inner one), or under
+        # "language_model." (mlx-lm's class for a multimodal checkpoint's text: Qwen3.5's)
+        place = next((n for n in (name, f"model.{name}", f"language_model.{name}") if n in ours), None)
+        if place is not None:
+            weights.append((place, value))
         elif name != "lm_head.weight":  # mlx-vlm keeps a copy of tied embeddings as a head (Gemma 3's)
             raise ModelLoadError(folder, f"the language model's {name} has no place in mlx-lm's {kind} text model")
     text.load_weights(weights, strict=True)  # the same arrays: nothing copied
