@@ -36,7 +36,7 @@ real-model: install
 vocabularies: install
 	$(BIN)/python models/gguf_vocabs.py
 
-# A tiny SmolVLM, LLaVA, Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL and Qwen3.5 with random weights (SmolLM2's tokenizer, their processors and templates) into models/vision,
+# A tiny SmolVLM, LLaVA, Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 with random weights (SmolLM2's tokenizer, their processors and templates) into models/vision,
 # for issue #39's tests (seconds).
 vision-model: install real-model
 	$(BIN)/python models/train_vision.py
@@ -44,6 +44,7 @@ vision-model: install real-model
 	$(BIN)/python models/train_vision_mistral3.py
 	$(BIN)/python models/train_vision_qwen2vl.py
 	$(BIN)/python models/train_vision_qwen3_5.py
+	$(BIN)/python models/train_vision_qwen3vl.py
 
 # The clients the tests run that are not Python packages: Claude Code from npm, into .clients (outside git).
 CLAUDE_CODE := @anthropic-ai/claude-code@2.1.197

@@ -1,6 +1,6 @@
 """A model that sees (issue #39): image requests against mlx-vlm, a second turn's prefill, and batching.
 
-On ``models/vision/smolvlm``, ``qwen2_vl`` and ``qwen3_5`` (``make vision-model``: the real architectures with
+On ``models/vision/smolvlm``, ``qwen2_vl``, ``qwen3_vl`` and ``qwen3_5`` (``make vision-model``: the real architectures with
 random weights; their text models are tiny, so per-token overheads weigh more than in a real one):
 
 - decode speed of image requests, the runner in-process (``Engine.generate``) against mlx-vlm's ``generate`` on
@@ -95,6 +95,7 @@ def batching(max_batch: int) -> float:
 FAMILIES = {  # folder name under models/vision -> what it is (each with random weights)
     "smolvlm": "SmolVLM: plain positions",
     "qwen2_vl": "Qwen2-VL: M-RoPE",
+    "qwen3_vl": "Qwen3-VL: M-RoPE, deepstack",
     "qwen3_5": "Qwen3.5: M-RoPE, hybrid, thinks",
 }
 

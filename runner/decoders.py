@@ -83,7 +83,7 @@ class Decoder:
         # An image request (runner.vision): (Vision, VisionInput). Its prompt_ids are the prompt cache's keys
         # (each image's tokens an id of its digest); the target is fed the real ids, and embeddings where images are.
         self.seen = None
-        self._embedded: mx.array | None = None
+        self._embedded: tuple | None = None  # (embeddings, deepstack features or None): runner.vision
 
     # -- prefill --------------------------------------------------------------------------------------
 
@@ -115,10 +115,14 @@ class Decoder:
             return model(inputs, cache=cache)  # a draft model (it does not see: the image tokens as text), or text
         if self._embedded is None:
             self._embedded = vision.embeddings(seen)
-        # M-RoPE (runner.mrope): a part that holds image tokens takes their positions (the model is then a
-        # PositionedModel); the text after the last image is at its index plus the request's delta.
-        positions = {} if seen.positions is None else {"positions": seen.positions[:, start:end]}
-        return model(inputs, cache=cache, input_embeddings=self._embedded[:, start:end], **positions)
+        embedded, deepstack = self._embedded
+        # M-RoPE (runner.mrope): a part that holds image tokens takes their positions, and Qwen3-VL's deepstack
+        # features (the model is then a PositionedModel); the text after the last image is at its index plus the
+        # request's delta.
+        extra = {} if seen.positions is None else {"positions": seen.positions[:, start:end]}
+        if deepstack is not None:
+            extra["deepstack"] = deepstack[:, start:end]
+        return model(inputs, cache=cache, input_embeddings=embedded[:, start:end], **extra)
 
     def prefill_step(self, planner: PrefillPlanner, sizes: list | None = None) -> bool:
         """Run one planned chunk of the prompt (all but its last token) through the models, each from

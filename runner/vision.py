@@ -5,8 +5,9 @@ classes, its processor). The runner decodes with mlx-lm's class for the language
 checkpoint's ``text_config`` and holding the same weight arrays (nothing copied), so a text-only request to such a
 model is a text request like any other: speculation, the prompt cache, batching, grammars, tools and reasoning
 work unchanged. Families whose language model positions its tokens as a plain decoder does (SmolVLM / Idefics3,
-LLaVA-style, Gemma 3, Mistral 3) are served so; Qwen2-VL, Qwen2.5-VL and Qwen3.5, whose image tokens take
-positions of their own (M-RoPE), are served with the positions mlx-vlm computes for the prompt (``runner.mrope``).
+LLaVA-style, Gemma 3, Mistral 3) are served so; Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5, whose image tokens
+take positions of their own (M-RoPE), are served with the positions mlx-vlm computes for the prompt, and
+Qwen3-VL with its deepstack features (``runner.mrope``).
 
 An image request is laid out by the model's chat template (each message as parts: its images, then its text),
 and mlx-vlm's processor expands each image into its image tokens and computes its pixels. What the prompt cache
@@ -152,15 +153,24 @@ class Vision:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         self.one_image_prompt = prompt
         _, vision_input = self.input(prompt, [picture.getvalue()], Limits(), vocab_size)
-        mx.eval(self.embeddings(vision_input))
+        mx.eval([part for part in self.embeddings(vision_input) if part is not None])
 
-    def embeddings(self, vision_input: VisionInput) -> mx.array:
-        """The whole prompt's input embeddings (1, L, hidden): the images' features where their tokens are."""
+    def embeddings(self, vision_input: VisionInput) -> tuple[mx.array, mx.array | None]:
+        """The whole prompt's input embeddings (1, L, hidden), the images' features where their tokens are; and
+        Qwen3-VL's deepstack features as the layers add them ((layers, L, hidden): zeros but at image tokens), or
+        None."""
         ids = mx.array(vision_input.real_ids)[None]
         pixels = {name: mx.array(value) for name, value in vision_input.pixels.items()}
         values = pixels.pop("pixel_values")
         out = self.model.get_input_embeddings(ids, values, **pixels)
-        return getattr(out, "inputs_embeds", out)
+        embedded = getattr(out, "inputs_embeds", out)
+        features = getattr(out, "deepstack_visual_embeds", None)
+        if features is None or len(features) == 0:
+            return embedded, None
+        rows = mx.array(np.flatnonzero(np.asarray(out.visual_pos_masks)[0]))
+        dense = mx.zeros((len(features), ids.shape[1], embedded.shape[-1]), embedded.dtype)
+        dense[:, rows] = mx.stack(list(features)).astype(embedded.dtype)
+        return embedded, dense
 
 
 def _hidden_arrays(model) -> list:
@@ -220,7 +230,8 @@ def load(folder: Path, dtype: str):
     text_config.setdefault("max_position_embeddings", 8192)
     vision = Vision(model, processor, config)
     if kind in mrope.TEXT_MODEL:
-        vision.positions = mrope.install(text, model.language_model)
+        deepstack = len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
+        vision.positions = mrope.install(text, model.language_model, deepstack)
     try:
         vision.warm_up(tokenizer, int(text_config.get("vocab_size") or config.get("vocab_size") or 0))
     except Exception as error:  # noqa: BLE001 - reported with the folder

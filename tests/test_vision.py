@@ -29,6 +29,8 @@ MISTRAL3_MODEL = VISION_MODEL.parent / "mistral3"
 QWEN2VL_MODEL = VISION_MODEL.parent / "qwen2_vl"
 QWEN25VL_MODEL = VISION_MODEL.parent / "qwen2_5_vl"
 QWEN35_MODEL = VISION_MODEL.parent / "qwen3_5"
+QWEN3VL_MODEL = VISION_MODEL.parent / "qwen3_vl"
+QWEN3VLMOE_MODEL = VISION_MODEL.parent / "qwen3_vl_moe"
 ASK = "Describe the image."
 TOKENS = 12
 
@@ -57,6 +59,8 @@ def sup(tmp_path_factory):
         + model_toml("qwen", target=QWEN2VL_MODEL, draft=QWEN2VL_MODEL)
         + model_toml("qwen25", target=QWEN25VL_MODEL, draft=None)
         + model_toml("qwen35", target=QWEN35_MODEL, draft=QWEN35_MODEL)
+        + model_toml("qwen3vl", target=QWEN3VL_MODEL, draft=None, prefill_chunk=16)  # an image across chunks
+        + model_toml("qwen3vlmoe", target=QWEN3VLMOE_MODEL, draft=None)
         + model_toml("drafted", target=VISION_MODEL, draft=VISION_MODEL)
         + model_toml("fetcher", target=VISION_MODEL, draft=None, image_urls="public")
         + model_toml("intranet", target=VISION_MODEL, draft=None, image_urls="public", image_url_hosts="127.0.0.1")
@@ -385,12 +389,21 @@ def test_other_families_answer_as_mlx_vlm_does(sup, model, folder):
 
 
 @pytest.mark.parametrize(
-    ("model", "folder"), [("qwen", QWEN2VL_MODEL), ("qwen25", QWEN25VL_MODEL), ("qwen35", QWEN35_MODEL)]
+    ("model", "folder"),
+    [
+        ("qwen", QWEN2VL_MODEL),
+        ("qwen25", QWEN25VL_MODEL),
+        ("qwen3vl", QWEN3VL_MODEL),
+        ("qwen3vlmoe", QWEN3VLMOE_MODEL),
+        ("qwen35", QWEN35_MODEL),
+    ],
 )
 def test_qwen_vl_positions_answer_as_mlx_vlm_does(sup, model, folder):
     """Qwen2-VL's and Qwen2.5-VL's M-RoPE: an image's tokens take its grid as positions, and the text after it goes
     on from the largest + 1 (the models are built so that plain positions give other tokens: a server that ignored
-    M-RoPE fails here). Qwen3.5's is hybrid (Gated DeltaNet layers between its attention layers) and thinks (its
+    M-RoPE fails here). Qwen3-VL adds deepstack features after its first layers (the model is built so that
+    dropping them gives other tokens too), here prefilled in parts of 16 tokens that split its image. Qwen3.5's is
+    hybrid (Gated DeltaNet layers between its attention layers) and thinks (its
     template opens the reasoning). As mlx-vlm's generate answers: alone; drafted by a model (verify passes at the
     delta); a second turn from the prompt cache; two images of different sizes; batched with each other and with
     text requests (a delta per row, 0 for text)."""
@@ -399,6 +412,8 @@ def test_qwen_vl_positions_answer_as_mlx_vlm_does(sup, model, folder):
     expected = reference(image)
     ids, text, last = grpc_answer(sup, image, model, drafter="none")
     assert ids == expected and ids != reference(png(51, size=(112, 112)))
+    if model == "qwen3vl":  # its image's tokens and deepstack features split across prefill parts of 16
+        assert len(last.stats.prefill_chunks) >= 2, last.stats.prefill_chunks
     if model in ("qwen", "qwen35"):  # Qwen3.5's hybrid layers are restored from a snapshot on a rejected draft
         drafted, _, stats = grpc_answer(sup, png(52, size=(112, 112)), model, drafter="model", num_draft_tokens=3)
         assert drafted == reference(png(52, size=(112, 112))) and stats.stats.drafted > 0
