@@ -323,7 +323,7 @@ def prepare(
     )
     seen = None  # an image request's input (runner.vision)
     if pictures:
-        for name in ("prompt_logprobs", "context_ids", "resume_ids"):
+        for name in ("prompt_logprobs", "context_ids"):
             if getattr(request, name):
                 raise InvalidRequest(name, "is not taken with images")
         text = chat_ids(request, tokenizer, context_length, tools, tool_format, thinking, vision=True, tokenize=False)
@@ -336,6 +336,8 @@ def prepare(
     if any(t >= vocab_size for t in request.resume_ids):
         raise InvalidRequest("resume_ids", f"token ids must lie in [0, {vocab_size})")
     prompt_ids = prompt_ids + list(request.resume_ids)  # a resumed answer goes on from its tokens
+    if seen is not None:
+        seen = seen.resumed(list(request.resume_ids))
     if request.resume_ids and request.max_tokens <= len(request.resume_ids):
         raise InvalidRequest("resume_ids", "the answer has all its max_tokens already")
     if len(prompt_ids) >= context_length:

@@ -21,6 +21,7 @@ the embeddings mlx-vlm computes (``embeddings``), the rest on ids.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import threading
 from dataclasses import dataclass
@@ -60,6 +61,22 @@ class VisionInput:
     # positions after the prompt add to their index; None and 0 for a model whose positions are plain.
     positions: np.ndarray | None = None
     rope_delta: int = 0
+
+    def resumed(self, answer: list[int]) -> VisionInput:
+        """This prompt followed by an answer another runner started (``resume_ids``): text after the last image,
+        at its index plus the delta where positions are M-RoPE's."""
+        if not answer:
+            return self
+        positions = self.positions
+        if positions is not None:
+            start = len(self.real_ids) + self.rope_delta
+            more = np.arange(start, start + len(answer), dtype=positions.dtype)
+            positions = np.concatenate([positions, np.broadcast_to(more, (positions.shape[0], len(answer)))], axis=1)
+        pixels = dict(self.pixels)
+        if "mask" in pixels:  # the processor's attention mask covers the prompt: the answer is attended too
+            mask = pixels["mask"]
+            pixels["mask"] = np.concatenate([mask, np.ones((mask.shape[0], len(answer)), mask.dtype)], axis=1)
+        return dataclasses.replace(self, real_ids=self.real_ids + list(answer), pixels=pixels, positions=positions)
 
 
 class Vision:

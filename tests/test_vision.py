@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import signal
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.processes import SupervisorProcess, model_toml
+from tests.processes import SupervisorProcess, model_toml, resumed_on_a_new_runner
 
 VISION_MODEL = Path(__file__).resolve().parents[1] / "models" / "vision" / "smolvlm"
 LLAVA_MODEL = VISION_MODEL.parent / "llava"
@@ -530,3 +532,22 @@ def test_images_of_different_sizes_are_keyed_each_by_its_own_tokens(sup):
     assert first == reference(small, big)
     second, _, _ = grpc_answer(sup, [small, other], "viewer")  # the first image's prefix is cached, not the second's
     assert second == reference(small, other)
+
+
+def test_an_image_answer_goes_on_after_its_runner_dies(sup):
+    """A runner killed mid-answer about an image: the restarted runner gets the image again with the tokens sent
+    so far (resume_ids) and goes on, at the positions M-RoPE gives text after an image (Qwen2-VL); the client
+    reads one answer, the same as an uninterrupted one. (Last in this file: it restarts a runner of the shared
+    supervisor.)"""
+    image = png(90, size=(112, 112))
+    messages = [{"role": "user", "content": ASK, "images": [image]}]
+    fields = dict(model="qwen25", messages=messages, max_tokens=600, ignore_eos=True, drafter="none")
+    whole = [t for c in sup.client.generate(timeout=120, **fields) for t in c.token_ids]
+    victim = sup.client.model("qwen25")
+    call = sup.client.generate(timeout=120, **fields)
+    chunks = [next(call)]
+    os.kill(victim.pid, signal.SIGKILL)
+    resumed_on_a_new_runner(sup, "qwen25", victim.pid)
+    chunks += list(call)
+    assert [t for c in chunks for t in c.token_ids] == whole
+    assert chunks[-1].stats.generated_tokens == 600
