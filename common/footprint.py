@@ -13,6 +13,11 @@ The estimate of a runner is the sum of
   (heads x chunk x context) float32 matrix, and the engine sizes prefill chunks
   to keep it under ``DEFAULT_PREFILL_SCORE_BYTES`` (twice that is counted: the
   scores and their softmax);
+- a model that sees: the vision tower's transient while it encodes the largest request the image settings allow
+  (``max_images`` images at the most pixels the model sees, ``image_pixels`` or its processor's own cap): its
+  activations (``VISION_ACTIVATIONS`` x patches x width values, measured) and, on the CPU, one attention's
+  score matrix (heads x span x span float32: a dynamic-resolution tower attends within each image, one at a
+  time; a fixed-size tower attends within each tile, all tiles in one batch);
 - the runtime: the interpreter, MLX, gRPC and the tokenizer, measured as the
   runner's RSS before it loads anything (reported in Info; ``RUNTIME_OVERHEAD``
   until a runner has reported it), plus the glibc and MLX pool slack seen
@@ -55,6 +60,11 @@ SAFETENSORS_ITEMSIZE = {
     "F8_E5M2": 1,
 }
 FLOAT_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# A vision tower's peak activations while it encodes, in values per patch per unit of its width: measured on a
+# Qwen2-VL tower (width 1280, 16 heads, float32 on this CPU: 200 MiB past its weights for 1024 patches, 638 MiB
+# for 2304, fitted as the score matrix plus 27 x patches x width x 4 bytes), rounded up.
+VISION_ACTIVATIONS = 32
+DEFAULT_IMAGE_PIXELS = 1024 * 1024  # the most pixels of an image the model sees (settings.image_pixels)
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx", "n_positions")
 DEFAULT_CONTEXT = 2048
 
@@ -101,6 +111,62 @@ def context_length(config: dict) -> int:
 
 
 @dataclass(frozen=True)
+class VisionFootprint:
+    """A vision tower's sizes, from ``vision_config`` and the processor's configuration."""
+
+    width: int  # the tower's hidden size
+    heads: int
+    patch: int
+    image_size: int = 0  # a fixed-size tower's side (0: dynamic resolution, as Qwen-VL's and Pixtral's)
+    tiles: int = 1  # a fixed-size tower: the crops of one image the processor makes at most (and the whole)
+    max_pixels: int = 0  # dynamic resolution: the processor's own cap on an image's pixels (0: none)
+
+    @classmethod
+    def of(cls, config: dict, preprocessor: dict | None) -> VisionFootprint | None:
+        vision = config.get("vision_config")
+        if not isinstance(vision, dict):
+            return None
+        pre = preprocessor or {}
+        width = int(vision.get("embed_dim") or vision.get("hidden_size") or 0)  # Qwen2-VL's hidden_size is its merger's
+        heads = int(vision.get("num_heads") or vision.get("num_attention_heads") or 1)
+        patch = vision.get("patch_size") or 14
+        patch = int(patch.get("height", 14) if isinstance(patch, dict) else patch)
+        size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+        if any(key in pre for key in ("max_pixels", "merge_size", "temporal_patch_size")):  # Qwen-VL's processors
+            cap = pre.get("max_pixels") or size.get("longest_edge") or 0  # a count of pixels there
+            return cls(width, heads, patch, max_pixels=int(cap))
+        if "Pixtral" in str(pre.get("image_processor_type", "")):  # longest_edge is a side there
+            return cls(width, heads, patch, max_pixels=int(size.get("longest_edge") or 0) ** 2)
+        image_size = int(vision.get("image_size") or 0)
+        tiles = 1
+        crop = pre.get("max_image_size") if isinstance(pre.get("max_image_size"), dict) else {}
+        crop = crop.get("longest_edge")
+        if pre.get("do_image_splitting") and crop and size.get("longest_edge"):  # Idefics3 / SmolVLM: crops + whole
+            tiles = -((-int(size["longest_edge"]) // int(crop)) ** 2) + 1
+        return cls(width, heads, patch, image_size=image_size, tiles=tiles)
+
+    def transient(self, images: int, pixels: int, device: str, itemsize: int) -> int:
+        """Bytes the tower's encode of ``images`` images of at most ``pixels`` pixels takes past its weights."""
+        if self.image_size:
+            span = (self.image_size // self.patch) ** 2
+            total, batch = images * self.tiles * span, images * self.tiles
+        else:
+            seen = min(pixels, self.max_pixels) if self.max_pixels else pixels
+            span = max(1, seen // (self.patch * self.patch))
+            total, batch = images * span, 1
+        activations = VISION_ACTIVATIONS * total * self.width * itemsize
+        scores = 4 * batch * self.heads * span * span if device == "cpu" else 0
+        return activations + scores
+
+
+def preprocessor_config(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / "preprocessor_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+@dataclass(frozen=True)
 class ModelFootprint:
     """What a model folder holds, in the numbers the estimate needs."""
 
@@ -118,6 +184,7 @@ class ModelFootprint:
     # Weights outside the layer stack (embeddings, final norm, head): whole on every rank of a group.
     unsplit_checkpoint_bytes: int = 0
     unsplit_float32_bytes: int = 0
+    vision: VisionFootprint | None = None  # a model that sees
 
     @classmethod
     def of(cls, folder: str | Path) -> ModelFootprint:
@@ -129,10 +196,10 @@ class ModelFootprint:
         tensors = {}
         for file in files:
             tensors.update(read_safetensors_header(file))
-        return cls.from_parts(folder, config, tensors)
+        return cls.from_parts(folder, config, tensors, preprocessor_config(folder))
 
     @classmethod
-    def from_parts(cls, folder: Path, config: dict, tensors: dict) -> ModelFootprint:
+    def from_parts(cls, folder: Path, config: dict, tensors: dict, preprocessor: dict | None = None) -> ModelFootprint:
         """From a config and the weights' safetensors header entries (read from files, or from a hub's byte
         ranges before the weights come: supervisor.hub)."""
         quantization = config.get("quantization") or config.get("quantization_config")
@@ -163,6 +230,7 @@ class ModelFootprint:
             context_length=context_length(config),
             unsplit_checkpoint_bytes=unsplit_checkpoint,
             unsplit_float32_bytes=unsplit_float32,
+            vision=VisionFootprint.of(config, preprocessor),
         )
 
     def weight_bytes(self, dtype: str) -> int:
@@ -288,10 +356,11 @@ class Estimate:
     kv_cache: int
     prefill: int
     runtime: int
+    vision: int = 0  # a model that sees: its tower's transient for the largest image request
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.prefill + self.runtime
+        return self.weights + self.kv_cache + self.prefill + self.runtime + self.vision
 
 
 def prefill_score_bytes(
@@ -313,13 +382,16 @@ def estimate(
     kv_group_size: int = 64,
     ranks: int = 1,
     here: int | None = None,
+    images: int = 8,
+    image_pixels: int = DEFAULT_IMAGE_PIXELS,
 ) -> Estimate:
     """Peak memory of a runner serving ``footprints`` (target first) at ``dtype`` over ``context`` tokens; with
     ``kv_bits`` the target's KV cache is counted quantized (the draft's stays float). With ``ranks`` > 1 (a
     runner group) the sum over the ``here`` of its processes on this host (default: all of them): their
     share of the target's layers and cache (the largest run of layers a rank gets, for each), and per process
     the target's weights outside its layers (embeddings, head: whole on every rank, in both tensor and
-    pipeline parallelism), a whole draft, its cache, a prefill's transient and the runtime."""
+    pipeline parallelism), a whole draft, its cache, a prefill's transient and the runtime. A model that sees
+    adds its vision tower's transient for ``images`` images of at most ``image_pixels`` pixels."""
     target, drafts = footprints[0], footprints[1:]
     here = ranks if here is None else here
     tokens = min(context or target.context_length, target.context_length)
@@ -336,4 +408,7 @@ def estimate(
     if device == "cpu":
         prefill = 2 * here * prefill_score_bytes(max(f.heads for f in footprints), tokens, score_bytes)
     runtime = RUNTIME_OVERHEAD if runtime_overhead is None else runtime_overhead
-    return Estimate(weights, kv, prefill, here * runtime)
+    vision = 0
+    if target.vision is not None:  # the tower runs on rank 0 only
+        vision = target.vision.transient(images, image_pixels, device, 4 if dtype == "float32" else 2)
+    return Estimate(weights, kv, prefill, here * runtime, vision)

@@ -43,6 +43,7 @@ class Limits:
     images: int = 8  # per request
     bytes: int = 5 * 2**20  # per image, encoded
     pixels: int = 25_000_000  # per image
+    seen: int = 1024 * 1024  # the most pixels of an image the model sees (``scaled``)
     urls: str = "off"  # http(s) image URLs: "off" (refused) or "public" (fetched from public addresses)
     url_hosts: tuple[str, ...] = ()  # hosts fetched even at a private address (an internal image server)
 
@@ -171,3 +172,14 @@ def check(data: bytes, limits: Limits, where: str, field: str = "messages"):
             return image.convert("RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         raise InvalidRequest(field, f"{where}: the image cannot be decoded ({error})") from None
+
+
+def scaled(image, pixels: int):
+    """``image`` (a PIL image) at most ``pixels`` pixels: scaled down, its aspect kept, where it has more."""
+    width, height = image.size
+    if width * height <= pixels:
+        return image
+    from PIL import Image
+
+    factor = (pixels / (width * height)) ** 0.5
+    return image.resize((max(1, int(width * factor)), max(1, int(height * factor))), Image.BICUBIC)

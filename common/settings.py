@@ -356,6 +356,12 @@ class RunnerSettings:
     max_image_pixels: int = setting(
         25_000_000, "int", "the most pixels (width x height) one image may have, read from its header before decoding"
     )
+    image_pixels: int = setting(
+        1024 * 1024,
+        "int",
+        "the most pixels of an image the model sees: a larger one is scaled down, its aspect kept, before the "
+        "model's processor (which may scale it further). Bounds the vision tower's memory, which the estimate counts",
+    )
     image_urls: str = setting(
         "off",
         "str",
@@ -440,7 +446,7 @@ class RunnerSettings:
             )
         if self.image_urls not in ("off", "public"):
             raise SettingsError("image_urls", f"{self.image_urls!r} is not one of off, public")
-        for name in ("max_images", "max_image_bytes", "max_image_pixels"):
+        for name in ("max_images", "max_image_bytes", "max_image_pixels", "image_pixels"):
             if getattr(self, name) < 1:
                 raise SettingsError(name, "must be at least 1")
         if self.tool_format and self.tool_format not in TOOL_FORMATS:

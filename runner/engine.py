@@ -141,11 +141,12 @@ class Engine:
         # A model that sees (runner.vision): its images' limits are the settings'.
         self.vision = target.vision
         self.image_limits = Limits(
-            settings.max_images,
-            settings.max_image_bytes,
-            settings.max_image_pixels,
-            settings.image_urls,
-            tuple(host.strip() for host in settings.image_url_hosts.split(",") if host.strip()),
+            images=settings.max_images,
+            bytes=settings.max_image_bytes,
+            pixels=settings.max_image_pixels,
+            seen=settings.image_pixels,
+            urls=settings.image_urls,
+            url_hosts=tuple(host.strip() for host in settings.image_url_hosts.split(",") if host.strip()),
         )
         self.device = device_name()
         self.dtype_reason = dtype_reason or f"dtype = {target.dtype!r}"

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.errors import InvalidRequest, ModelLoadError
-from common.images import URL_IMAGE, Limits, check, digest, fetch
+from common.images import URL_IMAGE, Limits, check, digest, fetch, scaled
 
 from . import mrope
 
@@ -105,7 +105,7 @@ class Vision:
             else data
             for i, data in enumerate(pictures)
         ]
-        decoded = [check(data, limits, f"image {i}") for i, data in enumerate(pictures)]
+        decoded = [scaled(check(data, limits, f"image {i}"), limits.seen) for i, data in enumerate(pictures)]
         try:
             out = self.processor(text=[prompt], images=decoded, return_tensors="np")
         except Exception as error:  # noqa: BLE001 - the processor's own refusal (a template without image markers)

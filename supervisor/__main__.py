@@ -183,7 +183,8 @@ def estimate_command(args) -> int:
         print(
             f"{name}: {needed.total / mib:.0f} MiB ({dtype}: weights {needed.weights / mib:.0f}, "
             f"KV cache {needed.kv_cache / mib:.0f}, prefill {needed.prefill / mib:.0f}, "
-            f"runtime {needed.runtime / mib:.0f})"
+            + (f"vision {needed.vision / mib:.0f}, " if needed.vision else "")
+            + f"runtime {needed.runtime / mib:.0f})"
         )
     print(f"supervisor: {SUPERVISOR_ALLOWANCE / mib:.0f} MiB")
     print(f"memory request: {-(-total // mib)}Mi")

@@ -173,6 +173,8 @@ class Estimates:
             kv_group_size=model.runner.kv_group_size,
             ranks=model.runner.ranks,
             here=1 if model.runner.hostfile else None,  # across hosts, rank 0's share; the others are theirs
+            images=model.runner.max_images,
+            image_pixels=model.runner.image_pixels,
         )
         return needed, dtype
 

@@ -30,6 +30,7 @@ EVERY_SETTING_CHANGED = RunnerSettings(
     max_images=2,
     max_image_bytes=1000,
     max_image_pixels=4096,
+    image_pixels=4096,
     image_urls="public",
     image_url_hosts="images.internal",
     adapters="terse=/tmp/terse,loud=/tmp/loud",

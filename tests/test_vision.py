@@ -330,6 +330,75 @@ def test_the_memory_estimate_counts_the_vision_tower(reference):
     assert footprint.layers == 2 and footprint.kv_heads == 1  # the language model's, for the KV cache
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "idefics3"])
+def test_the_estimate_covers_the_vision_towers_encode(family):
+    """What encoding an image takes past the tower's weights (MLX's peak on this CPU, float32), against the
+    estimate's vision transient (common.footprint.VisionFootprint): at least it, and not more than 1.5x it. Towers
+    of mid size (width 256, 4 heads, 2 blocks) from mlx-vlm's classes, 1024 patches: Qwen2-VL's dynamic resolution
+    (one 448x448 image, its processor's configuration) and a fixed-size SigLIP (Idefics3 / SmolVLM: one 512x512
+    tile). The estimate as the supervisor makes it: the model's sizes from its config and processor files."""
+    import json
+
+    import mlx.core as mx
+
+    from common.footprint import VisionFootprint
+
+    if family == "qwen2_vl":
+        from mlx_vlm.models import qwen2_vl
+
+        config = json.loads((QWEN2VL_MODEL / "config.json").read_text())
+        config["vision_config"].update(depth=2, embed_dim=256, num_heads=4)
+        tower = qwen2_vl.VisionModel(qwen2_vl.VisionConfig.from_dict(config["vision_config"]))
+        pre = json.loads((QWEN2VL_MODEL / "preprocessor_config.json").read_text()) | {"max_pixels": 448 * 448}
+        side = 448 // 14
+        inputs = (mx.random.normal((side * side, 3 * 2 * 14 * 14)), mx.array([[1, side, side]]))
+    else:
+        from mlx_vlm.models import idefics3
+
+        config = json.loads((VISION_MODEL / "config.json").read_text())
+        config["vision_config"].update(
+            hidden_size=256, num_attention_heads=4, intermediate_size=1024, image_size=512, num_hidden_layers=2
+        )
+        tower = idefics3.VisionModel(idefics3.VisionConfig.from_dict(config["vision_config"]))
+        pre = json.loads((VISION_MODEL / "preprocessor_config.json").read_text())
+        inputs = (mx.random.normal((1, 512, 512, 3)),)
+    tower.set_dtype(mx.float32)
+    mx.eval(tower.parameters(), *inputs)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    mx.eval(tower(*inputs, output_hidden_states=False))
+    measured = mx.get_peak_memory() - before
+    estimated = VisionFootprint.of(config, pre).transient(1, 2048 * 2048, "cpu", 4)
+    assert measured <= estimated <= 1.5 * measured, (measured, estimated)
+
+
+def test_images_past_image_pixels_are_scaled_down_and_counted(tmp_path):
+    """A model's image_pixels setting bounds what its tower sees: a 448x448 image to a Qwen2-VL that sees at most
+    112x112 is scaled down to it (16 image tokens, as a 112x112 image gives), where the processor's own cap
+    (max_pixels) is higher; and the supervisor's estimate counts the tower's encode at that bound."""
+    import json
+    import shutil
+
+    from common.footprint import ModelFootprint, estimate
+
+    folder = tmp_path / "qwen2_vl"
+    shutil.copytree(QWEN2VL_MODEL, folder)
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre | {"max_pixels": 1024 * 1024}))
+    footprint = ModelFootprint.of(folder)
+    small, large = (estimate([footprint], "float32", "cpu", images=2, image_pixels=p).vision for p in (112**2, 448**2))
+    assert 0 < small < large
+    (tmp_path / "sup").mkdir()
+    sup = SupervisorProcess(tmp_path / "sup", model_toml("q", target=folder, draft=None, image_pixels=112 * 112))
+    sup.wait_ready(180)
+    try:
+        _, _, large = grpc_answer(sup, png(80, size=(448, 448)), "q")
+        _, _, small = grpc_answer(sup, png(80, size=(112, 112)), "q")
+    finally:
+        assert sup.stop() == 0
+    assert large.stats.prompt_tokens == small.stats.prompt_tokens
+
+
 def test_the_disk_tier_keeps_an_image_prefix_across_a_restart(tmp_path, reference):
     """With prompt_cache_dir, a prefix that holds an image outlives its runner: the next supervisor's first request
     about the same image takes the prefix from disk (keyed by the image's digest) and answers as before."""
