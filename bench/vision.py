@@ -34,10 +34,10 @@ REPEATS = 3
 CLIENTS = 8
 
 
-def png(seed: int) -> bytes:
+def png(seed: int, size: tuple[int, int] = (128, 96)) -> bytes:
     from PIL import Image
 
-    pixels = np.random.default_rng(seed).integers(0, 256, (96, 128, 3), dtype=np.uint8)
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, "PNG")
     return out.getvalue()
@@ -135,8 +135,54 @@ def compare(folder: Path) -> dict:
     }
 
 
+def mid_size(folder: Path) -> Path:
+    """A Qwen2-VL whose vision tower costs what a real one's does next to its prefill: width 256, 4 heads, 4 blocks
+    (Qwen2-VL-2B's: 1280, 16, 32), at 448x448 (1024 patches, 256 image tokens), over the tiny one's tokenizer,
+    template and text model; random weights, built in ``folder``."""
+    import json
+    import shutil
+    import sys
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    sys.path.insert(0, str(MODEL.parents[1]))
+    from train_vision_qwen2vl import FAMILIES as QWEN
+    from train_vision_qwen2vl import make_model
+
+    source = MODEL.parent / "qwen2_vl"
+    for path in source.iterdir():
+        if path.name != "model.safetensors":
+            shutil.copy(path, folder / path.name)
+    config = json.loads(json.dumps(QWEN["qwen2_vl"]))
+    config["vision_config"].update(depth=4, embed_dim=256, num_heads=4)
+    pre = json.loads((source / "preprocessor_config.json").read_text())
+    (folder / "preprocessor_config.json").write_text(json.dumps({**pre, "max_pixels": 448 * 448}))
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(make_model(config).parameters())))
+    return folder
+
+
+def turns(folder: Path, size: tuple[int, int]) -> tuple[float, float]:
+    """Median time to first token of a first and a second turn about one image (``compare``'s), on ``folder``."""
+    engine = Engine.load(folder, None, RunnerSettings(dtype="checkpoint"))
+    first, second = [], []
+    for repeat in range(REPEATS):
+        image = png(200 + repeat, size)
+        for target in (first, second):
+            started = time.perf_counter()
+            rounds = engine.generate(request(image, max_tokens=8))
+            next(rounds)
+            target.append(time.perf_counter() - started)
+            for _ in rounds:
+                pass
+    return float(np.median(first)), float(np.median(second))
+
+
 def run() -> None:
     figures = {name: compare(MODEL.parent / name) for name in FAMILIES}
+    with tempfile.TemporaryDirectory() as folder:
+        mid_first, mid_second = turns(mid_size(Path(folder)), (448, 448))
     on, off = batching(CLIENTS), batching(1)
     print(f"## vision: tiny models with random weights (models/vision), one image, {TOKENS} greedy tokens\n")
     print(
@@ -149,6 +195,10 @@ def run() -> None:
             f"{f['mine'] / f['reference']:.2f}x | {f['first'] * 1e3:.1f} ms / {f['second'] * 1e3:.1f} ms "
             f"({f['second'] / f['first']:.0%}) |"
         )
+    print(
+        f"| qwen2_vl with a mid-size tower (width 256, 4 blocks; 448x448, 256 image tokens) | | | | "
+        f"{mid_first * 1e3:.1f} ms / {mid_second * 1e3:.1f} ms ({mid_second / mid_first:.1%}) |"
+    )
     print(
         f"\n{CLIENTS} concurrent image requests to smolvlm through the supervisor, batched / one at a time: "
         f"{on:.0f} / {off:.0f} tok/s ({on / off:.2f}x)\n"
