@@ -117,21 +117,12 @@ def compare(folder: Path) -> dict:
         order = [("runner", True), ("mlx-vlm", False)] if repeat % 2 == 0 else [("mlx-vlm", False), ("runner", True)]
         for label, runner in order:
             rates[label].append(ours(engine, image) if runner else theirs(model, processor, prompt, image))
-    first, second = [], []
-    for repeat in range(REPEATS):
-        image = png(100 + repeat)
-        for target in (first, second):  # as a caller waits: the request prepared (its image read), then prefilled
-            started = time.perf_counter()
-            rounds = engine.generate(request(image, max_tokens=8))
-            next(rounds)
-            target.append(time.perf_counter() - started)
-            for _ in rounds:
-                pass
+    first, second = first_tokens(engine, 100, (128, 96))
     return {
         "mine": float(np.median(rates["runner"])),
         "reference": float(np.median(rates["mlx-vlm"])),
-        "first": float(np.median(first)),
-        "second": float(np.median(second)),
+        "first": first,
+        "second": second,
     }
 
 
@@ -163,12 +154,13 @@ def mid_size(folder: Path) -> Path:
     return folder
 
 
-def turns(folder: Path, size: tuple[int, int]) -> tuple[float, float]:
-    """Median time to first token of a first and a second turn about one image (``compare``'s), on ``folder``."""
-    engine = Engine.load(folder, None, RunnerSettings(dtype="checkpoint"))
+def first_tokens(engine: Engine, seed: int, size: tuple[int, int]) -> tuple[float, float]:
+    """Median time to first token of a first and a second turn about one image (the prompt cache holds its
+    prefill), as the caller of ``Engine.generate`` waits: the request prepared (template, image decoded and
+    processed, keyed), then prefilled."""
     first, second = [], []
     for repeat in range(REPEATS):
-        image = png(200 + repeat, size)
+        image = png(seed + repeat, size)
         for target in (first, second):
             started = time.perf_counter()
             rounds = engine.generate(request(image, max_tokens=8))
@@ -182,7 +174,8 @@ def turns(folder: Path, size: tuple[int, int]) -> tuple[float, float]:
 def run() -> None:
     figures = {name: compare(MODEL.parent / name) for name in FAMILIES}
     with tempfile.TemporaryDirectory() as folder:
-        mid_first, mid_second = turns(mid_size(Path(folder)), (448, 448))
+        mid = Engine.load(mid_size(Path(folder)), None, RunnerSettings(dtype="checkpoint"))
+        mid_first, mid_second = first_tokens(mid, 200, (448, 448))
     on, off = batching(CLIENTS), batching(1)
     print(f"## vision: tiny models with random weights (models/vision), one image, {TOKENS} greedy tokens\n")
     print(

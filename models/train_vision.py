@@ -71,20 +71,18 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import json  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
+from vision_tokens import BASE_VOCAB, extend_tokenizer, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "models" / "vision" / "smolvlm"
-BASE_TOKENIZER = ROOT / "models" / "smollm2" / "tokenizer.json"
 
 SEED = 0
-BASE_VOCAB = 49152  # SmolLM2-135M-Instruct
 VOCAB_SIZE = 49280  # SmolVLM-256M-Instruct's text vocab
 
 # SmolVLM-256M-Instruct's added tokens, in id order (49152 .. 49279).
@@ -197,44 +195,10 @@ PROCESSOR_CONFIG = {
 }
 
 
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
 def build_tokenizer(out: Path) -> None:
     """SmolLM2's tokenizer.json plus SmolVLM's added tokens at their real ids."""
-    from tokenizers import AddedToken, Tokenizer
-
-    if not BASE_TOKENIZER.exists():
-        raise SystemExit(f"missing SmolLM2 tokenizer: {BASE_TOKENIZER}")
-    tok = Tokenizer.from_file(str(BASE_TOKENIZER))
-    if tok.get_vocab_size(with_added_tokens=True) != BASE_VOCAB:
-        raise SystemExit(f"{BASE_TOKENIZER} is not SmolLM2's 49152-token vocab")
-    for content in ADDED:
-        added = AddedToken(content, normalized=False, special=content in SPECIAL)
-        if content in SPECIAL:
-            tok.add_special_tokens([added])
-        else:
-            tok.add_tokens([added])
-    for content, want in TOKEN_IDS.items():
-        got = tok.token_to_id(content)
-        if got != want:
-            raise SystemExit(f"{content} got id {got}, want {want}")
-    assert tok.get_vocab_size(with_added_tokens=True) == VOCAB_SIZE
-    tok.save(str(out / "tokenizer.json"))
-
-    added_tokens_decoder = {
-        str(i): {
-            "content": t.content,
-            "lstrip": t.lstrip,
-            "normalized": t.normalized,
-            "rstrip": t.rstrip,
-            "single_word": t.single_word,
-            "special": t.special,
-        }
-        for i, t in sorted(tok.get_added_tokens_decoder().items())
-    }
-    _write_json(
+    added_tokens_decoder = extend_tokenizer(out, ADDED, special=lambda token: token in SPECIAL)
+    write_json(
         out / "tokenizer_config.json",
         {
             "add_bos_token": False,
@@ -262,7 +226,7 @@ def build_tokenizer(out: Path) -> None:
             "vocab_size": BASE_VOCAB,
         },
     )
-    _write_json(
+    write_json(
         out / "special_tokens_map.json",
         {
             "additional_special_tokens": [FAKE_IMAGE, IMAGE, END_OF_UTTERANCE],
@@ -272,7 +236,7 @@ def build_tokenizer(out: Path) -> None:
             "unk_token": "<|endoftext|>",
         },
     )
-    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
 
 
 def build_weights(out: Path) -> int:
@@ -297,9 +261,9 @@ def build(out: Path = OUT) -> None:
     out.mkdir(parents=True)
     build_tokenizer(out)
     n_params = build_weights(out)
-    _write_json(out / "config.json", CONFIG)
-    _write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
-    _write_json(out / "processor_config.json", PROCESSOR_CONFIG)
+    write_json(out / "config.json", CONFIG)
+    write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
+    write_json(out / "processor_config.json", PROCESSOR_CONFIG)
     print(f"wrote {out.relative_to(ROOT)} ({n_params:,} parameters)")
     for p in sorted(out.iterdir()):
         print(f"  {p.name:28s} {p.stat().st_size:>10,d} bytes")
@@ -529,37 +493,8 @@ LLAVA_PROCESSOR_CONFIG = {
 
 def build_llava_tokenizer(out: Path) -> None:
     """SmolLM2's tokenizer.json plus llava's <image> and <pad> (special)."""
-    from tokenizers import AddedToken, Tokenizer
-
-    if not BASE_TOKENIZER.exists():
-        raise SystemExit(f"missing SmolLM2 tokenizer: {BASE_TOKENIZER}")
-    tok = Tokenizer.from_file(str(BASE_TOKENIZER))
-    if tok.get_vocab_size(with_added_tokens=True) != BASE_VOCAB:
-        raise SystemExit(f"{BASE_TOKENIZER} is not SmolLM2's 49152-token vocab")
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in LLAVA_ADDED])
-    for content, want in {
-        **LLAVA_TOKEN_IDS,
-        LLAVA_EOS: LLAVA_EOS_TOKEN_ID,
-        LLAVA_BOS: LLAVA_BOS_TOKEN_ID,
-    }.items():
-        got = tok.token_to_id(content)
-        if got != want:
-            raise SystemExit(f"{content} got id {got}, want {want}")
-    assert tok.get_vocab_size(with_added_tokens=True) == LLAVA_VOCAB_SIZE
-    tok.save(str(out / "tokenizer.json"))
-
-    added_tokens_decoder = {
-        str(i): {
-            "content": t.content,
-            "lstrip": t.lstrip,
-            "normalized": t.normalized,
-            "rstrip": t.rstrip,
-            "single_word": t.single_word,
-            "special": t.special,
-        }
-        for i, t in sorted(tok.get_added_tokens_decoder().items())
-    }
-    _write_json(
+    added_tokens_decoder = extend_tokenizer(out, LLAVA_ADDED)
+    write_json(
         out / "tokenizer_config.json",
         {
             "add_bos_token": False,
@@ -580,7 +515,7 @@ def build_llava_tokenizer(out: Path) -> None:
             "vocab_size": BASE_VOCAB,
         },
     )
-    _write_json(
+    write_json(
         out / "special_tokens_map.json",
         {
             "bos_token": LLAVA_BOS,
@@ -590,7 +525,7 @@ def build_llava_tokenizer(out: Path) -> None:
             "unk_token": LLAVA_UNK,
         },
     )
-    _write_json(out / "chat_template.json", {"chat_template": LLAVA_CHAT_TEMPLATE})
+    write_json(out / "chat_template.json", {"chat_template": LLAVA_CHAT_TEMPLATE})
 
 
 def build_llava_weights(out: Path) -> int:
@@ -619,9 +554,9 @@ def build_llava(out: Path = LLAVA_OUT) -> None:
     out.mkdir(parents=True)
     build_llava_tokenizer(out)
     n_params = build_llava_weights(out)
-    _write_json(out / "config.json", LLAVA_CONFIG)
-    _write_json(out / "preprocessor_config.json", LLAVA_PREPROCESSOR_CONFIG)
-    _write_json(out / "processor_config.json", LLAVA_PROCESSOR_CONFIG)
+    write_json(out / "config.json", LLAVA_CONFIG)
+    write_json(out / "preprocessor_config.json", LLAVA_PREPROCESSOR_CONFIG)
+    write_json(out / "processor_config.json", LLAVA_PROCESSOR_CONFIG)
     print(f"wrote {out.relative_to(ROOT)} ({n_params:,} parameters)")
     for p in sorted(out.iterdir()):
         print(f"  {p.name:28s} {p.stat().st_size:>10,d} bytes")

@@ -38,7 +38,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import json  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -46,13 +45,12 @@ from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
+from vision_tokens import BASE_VOCAB, extend_tokenizer, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE_TOKENIZER = ROOT / "models" / "smollm2" / "tokenizer.json"
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "models" / "vision" / "mistral3"
 
 SEED = 0
-BASE_VOCAB = 49152
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 INST, END_INST = "[INST]", "[/INST]"
 IMG, IMG_BREAK, IMG_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
@@ -166,31 +164,9 @@ PROCESSOR_CONFIG = {
 }
 
 
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
 def build_tokenizer(out: Path) -> None:
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(BASE_TOKENIZER))
-    assert tok.get_vocab_size(with_added_tokens=True) == BASE_VOCAB
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ADDED])
-    for t, want in TOKEN_IDS.items():
-        assert tok.token_to_id(t) == want, (t, tok.token_to_id(t), want)
-    tok.save(str(out / "tokenizer.json"))
-    added_tokens_decoder = {
-        str(i): {
-            "content": t.content,
-            "lstrip": t.lstrip,
-            "normalized": t.normalized,
-            "rstrip": t.rstrip,
-            "single_word": t.single_word,
-            "special": t.special,
-        }
-        for i, t in sorted(tok.get_added_tokens_decoder().items())
-    }
-    _write_json(
+    added_tokens_decoder = extend_tokenizer(out, ADDED)
+    write_json(
         out / "tokenizer_config.json",
         {
             "add_bos_token": False,  # the chat template writes <s>
@@ -208,11 +184,11 @@ def build_tokenizer(out: Path) -> None:
             "tokenizer_class": "GPT2Tokenizer",
         },
     )
-    _write_json(
+    write_json(
         out / "special_tokens_map.json",
         {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK},
     )
-    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
 
 
 def make_model(config: dict):
@@ -243,9 +219,9 @@ def build(out: Path) -> None:
     out.mkdir(parents=True)
     build_tokenizer(out)
     n = build_weights(out)
-    _write_json(out / "config.json", CONFIG)
-    _write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
-    _write_json(out / "processor_config.json", PROCESSOR_CONFIG)
+    write_json(out / "config.json", CONFIG)
+    write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
+    write_json(out / "processor_config.json", PROCESSOR_CONFIG)
     print(f"wrote {out} ({n:,} parameters)")
     for p in sorted(out.iterdir()):
         print(f"  {p.name:28s} {p.stat().st_size:>10,d} bytes")

@@ -47,13 +47,12 @@ from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
+from vision_tokens import BASE_VOCAB, extend_tokenizer, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE_TOKENIZER = ROOT / "models" / "smollm2" / "tokenizer.json"
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "models" / "vision"
 
 SEED = 0
-BASE_VOCAB = 49152
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"  # SmolLM2's ids 0, 1, 2
 VISION_START, VISION_END, VISION_PAD = "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>"
 IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
@@ -167,32 +166,9 @@ PREPROCESSOR_CONFIG = {
 }
 
 
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
 def build_tokenizer(out: Path, processor_class: str) -> None:
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(BASE_TOKENIZER))
-    assert tok.get_vocab_size(with_added_tokens=True) == BASE_VOCAB
-    assert [tok.token_to_id(t) for t in (ENDOFTEXT, IM_START, IM_END)] == [0, 1, 2]
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ADDED])
-    for t, want in TOKEN_IDS.items():
-        assert tok.token_to_id(t) == want, (t, tok.token_to_id(t), want)
-    tok.save(str(out / "tokenizer.json"))
-    decoder = {
-        str(i): {
-            "content": t.content,
-            "lstrip": t.lstrip,
-            "normalized": t.normalized,
-            "rstrip": t.rstrip,
-            "single_word": t.single_word,
-            "special": t.special,
-        }
-        for i, t in sorted(tok.get_added_tokens_decoder().items())
-    }
-    _write_json(
+    decoder = extend_tokenizer(out, ADDED)
+    write_json(
         out / "tokenizer_config.json",
         {
             "add_prefix_space": False,
@@ -210,9 +186,9 @@ def build_tokenizer(out: Path, processor_class: str) -> None:
             "tokenizer_class": "Qwen2Tokenizer",
         },
     )
-    _write_json(out / "special_tokens_map.json", {"eos_token": IM_END, "pad_token": ENDOFTEXT})
-    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
-    _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": EOS_IDS, "do_sample": False})
+    write_json(out / "special_tokens_map.json", {"eos_token": IM_END, "pad_token": ENDOFTEXT})
+    write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": EOS_IDS, "do_sample": False})
 
 
 def make_model(config: dict):
@@ -244,11 +220,11 @@ def build(out: Path, name: str) -> None:
     model = make_model(config)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    _write_json(out / "config.json", config)
+    write_json(out / "config.json", config)
     processor = {**PREPROCESSOR_CONFIG}
     if name == "qwen2_5_vl":
         processor["processor_class"] = "Qwen2_5_VLProcessor"
-    _write_json(out / "preprocessor_config.json", processor)
+    write_json(out / "preprocessor_config.json", processor)
     print(f"wrote {out} ({sum(v.size for v in weights.values()):,} parameters)")
 
 

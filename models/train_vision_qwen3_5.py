@@ -43,14 +43,13 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_vision_qwen2vl import ATTENTION_SCALE, gradient_image  # noqa: E402
+from vision_tokens import BASE_VOCAB, extend_tokenizer, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE_TOKENIZER = ROOT / "models" / "smollm2" / "tokenizer.json"
 TEMPLATE = ROOT / "models" / "templates" / "qwen3_5.jinja"
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "models" / "vision" / "qwen3_5"
 
 SEED = 0
-BASE_VOCAB = 49152
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"  # SmolLM2's ids 0, 1, 2
 SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 PLAIN = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
@@ -128,32 +127,9 @@ PREPROCESSOR_CONFIG = {
 }
 
 
-def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
 def build_tokenizer(out: Path) -> None:
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(BASE_TOKENIZER))
-    assert tok.get_vocab_size(with_added_tokens=True) == BASE_VOCAB
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL])
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in PLAIN])
-    for t, want in TOKEN_IDS.items():
-        assert tok.token_to_id(t) == want, (t, tok.token_to_id(t), want)
-    tok.save(str(out / "tokenizer.json"))
-    decoder = {
-        str(i): {
-            "content": t.content,
-            "lstrip": t.lstrip,
-            "normalized": t.normalized,
-            "rstrip": t.rstrip,
-            "single_word": t.single_word,
-            "special": t.special,
-        }
-        for i, t in sorted(tok.get_added_tokens_decoder().items())
-    }
-    _write_json(
+    decoder = extend_tokenizer(out, SPECIAL + PLAIN, special=lambda token: token in SPECIAL)
+    write_json(
         out / "tokenizer_config.json",
         {
             "add_prefix_space": False,
@@ -171,7 +147,7 @@ def build_tokenizer(out: Path) -> None:
         },
     )
     (out / "chat_template.jinja").write_text(TEMPLATE.read_text())
-    _write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [2, 0], "do_sample": False})
+    write_json(out / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [2, 0], "do_sample": False})
 
 
 def make_model():
@@ -197,8 +173,8 @@ def build(out: Path) -> None:
     model = make_model()
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    _write_json(out / "config.json", CONFIG)
-    _write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
+    write_json(out / "config.json", CONFIG)
+    write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
     print(f"wrote {out} ({sum(v.size for v in weights.values()):,} parameters)")
 
 
