@@ -218,7 +218,9 @@ def end_of_turn_ids(tokenizer, harmony: bool = False) -> frozenset[int]:
     ends = [token for token in END_OF_TURN if token in template and not (harmony and token == "<|end|>")]
     # One lookup per token, not the vocabulary: get_vocab() builds a dict of it, 20 ms a request for Qwen's.
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in ends}
-    return frozenset(i for token, i in ids.items() if isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == token)
+    return frozenset(
+        i for token, i in ids.items() if isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == token
+    )
 
 
 def prompt_ids_of(
