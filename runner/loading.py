@@ -26,6 +26,7 @@ from .attention import applies as plain_attention_applies
 from .attention import use_plain_attention
 from .rewind import rewindable
 from .row_padding import applies as row_padding_applies
+from .row_padding import decide as decide_row_padding
 from .row_padding import pad_single_rows
 
 
@@ -41,6 +42,7 @@ class LoadedModel:
     padded_layers: int = 0  # layers that run one-row inputs as two rows (runner.row_padding)
     plain_attention: int = 0  # model modules whose small attentions run as plain ops (runner.attention)
     vision: object = None  # a model that sees: its runner.vision.Vision (model is then its language model)
+    row_padding: str = ""  # whether one-row products run as two rows, and why (runner.row_padding)
 
     @property
     def quantization(self) -> dict | None:
@@ -107,18 +109,23 @@ def _dtype_name(model) -> str:
     return str(max(widths, key=widths.get)).removeprefix("mlx.core.")
 
 
+def identity(path: Path, dtype: str) -> str:
+    """A model as loaded: its folder, its config (as it is now) and the dtype."""
+    config = path / "config.json"
+    return f"{path.resolve()}|{config.stat().st_mtime_ns}|{config.stat().st_size}|{dtype}"
+
+
 def load_model(
     folder: str | Path, dtype: str, max_context: int | None = None, row_padding: bool | None = None, group=None
 ) -> LoadedModel:
     """Load one mlx-lm folder in ``dtype`` ("checkpoint" or "float32"); every failure is a ModelLoadError.
 
-    ``row_padding``: run one-row products as two rows (``runner.row_padding``); None = where it applies.
+    ``row_padding``: run one-row products as two rows (``runner.row_padding``); None = where it is faster, measured
+    on this model as it loads.
     ``group``: a ``runner.group.Group``: keep this rank's share of the weights (mlx-lm's ``shard``, or its run
     of layers for a pipeline: ``runner.pipeline``), before any layer is wrapped."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    if row_padding is None:
-        row_padding = row_padding_applies()
     path = Path(folder)
     if not path.is_dir():
         raise ModelLoadError(path, "no such folder")
@@ -153,8 +160,15 @@ def load_model(
             model.shard(group.group)
             mx.eval(model.parameters())
         mx.clear_cache()
-        padded = pad_single_rows(model) if row_padding else 0
         plain = use_plain_attention(model) if plain_attention_applies() else 0
+        if row_padding is None and group is None:  # measured here, on this model (runner.row_padding)
+            padded, padding = decide_row_padding(model, identity(path, dtype))
+        elif row_padding is None:  # a group's ranks must agree: the device's rule
+            padded = pad_single_rows(model) if row_padding_applies() else 0
+            padding = f"{'on' if padded else 'off'}: a group's rule (the CPU with MKL)"
+        else:
+            padded = pad_single_rows(model) if row_padding else 0
+            padding = f"{'on' if row_padding else 'off'}: asked"
     except Exception as error:  # noqa: BLE001 - any cause is reported with the folder
         raise ModelLoadError(path, f"{type(error).__name__}: {error}") from error
-    return LoadedModel(path, model, tokenizer, config, dtype, parameters, max_context, padded, plain, vision)
+    return LoadedModel(path, model, tokenizer, config, dtype, parameters, max_context, padded, plain, vision, padding)

@@ -165,6 +165,7 @@ def model_info(loaded: LoadedModel) -> runner_pb2.ModelInfo:
         cache=loaded.cache_description(),
         rewindable=loaded.rewindable,
         row_padded_layers=loaded.padded_layers,
+        row_padding=loaded.row_padding,
         sliding_window=loaded.sliding_window,
         sliding_layers=loaded.sliding_layers,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -75,3 +77,29 @@ def test_greedy_decoding_is_the_same_with_and_without_padding(both):
     padded, plain = both
     prompt = padded.tokenizer.encode("The for statement is used to iterate over the elements of a sequence")
     assert greedy(padded.model, prompt, 160) == greedy(plain.model, prompt, 160)
+
+
+def test_left_to_itself_the_runner_measures_which_is_faster_and_says_so(monkeypatch, tmp_path):
+    """Whether two rows pay depends on the CPU (issue #40): a model loaded with the rule left to the runner is
+    measured one row and two rows as it loads; it pads exactly when two rows were clearly faster, says both
+    times in its reason (the runner's Info), and answers as either way. The next load of the same model on this
+    machine remembers the times. The environment overrides it."""
+    monkeypatch.delenv(row_padding.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    loaded = load_model(DEFAULT_TARGET, "float32")
+    if not row_padding.applies():
+        assert loaded.padded_layers == 0 and loaded.row_padding == "off: not the CPU with MKL"
+        return
+    assert "measured at load" in loaded.row_padding
+    again = load_model(DEFAULT_TARGET, "float32")
+    assert again.row_padding == loaded.row_padding.replace("measured at load", "remembered")
+    one, two = (float(ms) for ms in re.findall(r"([0-9.]+) ms", loaded.row_padding))
+    assert loaded.row_padding.startswith("on" if loaded.padded_layers else "off")
+    assert (loaded.padded_layers > 0) == (two < row_padding.MARGIN * one)
+    kinds = {type(m) for _, m in loaded.model.named_modules()}
+    assert (row_padding.PaddedLinear in kinds) == (loaded.padded_layers > 0)
+    monkeypatch.setenv(row_padding.ENV, "1")
+    forced = load_model(DEFAULT_TARGET, "float32")
+    assert forced.padded_layers == 8 * 7 + 1 and forced.row_padding == f"{row_padding.ENV}=1"
+    prompt = loaded.tokenizer.encode("The for statement is used to iterate over the elements of a sequence")
+    assert greedy(loaded.model, prompt, 40) == greedy(forced.model, prompt, 40)
