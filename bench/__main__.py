@@ -32,6 +32,7 @@ SECTIONS = (
     "adapters",
     "reasoning",
     "vision",
+    "versus",
 )
 
 PAGE_HEADER = """# Benchmarks

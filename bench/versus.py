@@ -1,0 +1,111 @@
+"""Issue #40's ratios in one alternated run, on this machine: never slower than mlx-lm.
+
+- plain decoding, ours (``Engine.generate``, drafter none) against mlx-lm's ``generate_step``, per model and
+  prompt kind (``bench.speculation.table``: every configuration runs each prompt in turn, the order reversed
+  every other prompt). Goal: >= 1.0x.
+- the default (adaptive) decoder against the best of our plain and every fixed depth of its drafter, in the same
+  table. Goal: >= 0.97x.
+- prefill: our prompt tok/s (``prefill_seconds``, chunked as the runner chunks) against mlx-lm's
+  ``generate_step`` up to its first token (its own 2048-token steps), at 200, 1,500 and 8,000 tokens, alternated.
+  Goal: >= 1.0x.
+
+The default pair decodes 256 tokens a prompt, SmolLM2-135M-Instruct (float32 on the CPU) up to 128; 2 prompts
+of each kind. Not here (not built yet): constrained decoding pipelined, the relay at 16 clients, batching with a
+quantized KV cache (issue #40 items 4-6).
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+
+from bench.speculation import as_mlx_lm_runs_it, ours, plain_rows, table
+from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
+from common.settings import RunnerSettings
+from runner.engine import Engine
+from runner.request import GenerationRequest
+
+PAIR_TOKENS = 256
+SMOL_TOKENS = 128
+PROMPTS_PER_KIND = 2
+PREFILL_LENGTHS = (200, 1500, 8000)
+PREFILL_REPEATS = 2
+
+
+def decoding(label: str, engine: Engine, tokens: int, chat: bool, drafter: str, depths) -> list[str]:
+    """Rows of the goals table for one model: plain vs mlx-lm, adaptive vs the best fixed choice (``drafter``:
+    "model" or "ngram", at each of ``depths``)."""
+    as_mlx_lm = as_mlx_lm_runs_it(engine)
+    rows = plain_rows(engine, as_mlx_lm, tokens, chat)
+    rows += [
+        (f"ours, {drafter}, k = {k}", lambda p, k=k: ours(engine, p, tokens, chat, drafter=drafter, num_draft_tokens=k))
+        for k in depths
+    ]
+    rows += [("ours, default (adaptive)", lambda p: ours(engine, p, tokens, chat))]
+    results = table(label, engine, tokens, chat, rows, PROMPTS_PER_KIND)
+    out = []
+    for kind in results["ours, plain"]:
+        plain = results["ours, plain"][kind].rate
+        reference = results["mlx-lm generate_step"][kind].rate
+        fixed = {
+            name: r[kind].rate for name, r in results.items() if name.startswith("ours, ") and "adaptive" not in name
+        }
+        best = max(fixed, key=fixed.get)
+        adaptive = results["ours, default (adaptive)"][kind].rate
+        out.append(f"| {label}, {kind} | plain vs mlx-lm generate_step | {plain / reference:.2f}x | >= 1.0x |")
+        out.append(
+            f"| {label}, {kind} | default (adaptive) vs the best fixed ({best.removeprefix('ours, ')}) | "
+            f"{adaptive / fixed[best]:.2f}x | >= 0.97x |"
+        )
+    return out
+
+
+def prefill(label: str, engine: Engine, lengths) -> list[str]:
+    """Our prompt tok/s against mlx-lm's at each length, alternated."""
+    target, _ = as_mlx_lm_runs_it(engine)
+    rng = np.random.default_rng(0)
+    out = []
+    for n in lengths:
+        ids = [int(x) for x in rng.integers(100, 3000, n)]
+        mine, theirs = [], []
+        for repeat in range(PREFILL_REPEATS):
+            for who in ("ours", "mlx-lm") if repeat % 2 == 0 else ("mlx-lm", "ours"):
+                if who == "ours":
+                    request = GenerationRequest(prompt_ids=tuple(ids), max_tokens=1, cache_prompt=False)
+                    for last in engine.generate(request):
+                        pass
+                    mine.append(last.stats.prefill_seconds)
+                else:
+                    started = time.perf_counter()
+                    for _ in generate_step(mx.array(ids), target, max_tokens=1):
+                        break
+                    theirs.append(time.perf_counter() - started)
+        ratio = np.median(theirs) / np.median(mine)
+        out.append(
+            f"| {label}, {n}-token prompt | prefill vs mlx-lm ({n / np.median(mine):.0f} / "
+            f"{n / np.median(theirs):.0f} tok/s) | {ratio:.2f}x | >= 1.0x |"
+        )
+    return out
+
+
+def run() -> None:
+    pair = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0))
+    smol = Engine.load(SMOLLM2_DIR, None, RunnerSettings(prompt_cache=0))
+    print(f"row padding: default pair {pair.target.row_padding}; SmolLM2 {smol.target.row_padding}\n")
+    goals = decoding("default pair", pair, PAIR_TOKENS, False, "model", range(1, 7))
+    goals += decoding("SmolLM2", smol, SMOL_TOKENS, True, "ngram", (1, 2, 4))
+    goals += prefill("default pair", pair, PREFILL_LENGTHS)
+    goals += prefill("SmolLM2", smol, PREFILL_LENGTHS[:2])
+    print("## versus: issue #40's goals, one run\n")
+    print("| model, prompts | what | figure | goal |")
+    print("| --- | --- | --- | --- |")
+    for line in goals:
+        print(line)
+    print()
+
+
+if __name__ == "__main__":
+    run()
