@@ -77,7 +77,7 @@ from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
-from vision_tokens import BASE_VOCAB, extend_tokenizer, write_json  # noqa: E402
+from vision_build import BASE_VOCAB, extend_tokenizer, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "models" / "vision" / "smolvlm"

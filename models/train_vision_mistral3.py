@@ -45,7 +45,7 @@ from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
-from vision_tokens import BASE_VOCAB, extend_tokenizer, write_json  # noqa: E402
+from vision_build import BASE_VOCAB, extend_tokenizer, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "models" / "vision" / "mistral3"

@@ -47,7 +47,7 @@ from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
-from vision_tokens import BASE_VOCAB, extend_tokenizer, write_json  # noqa: E402
+from vision_build import BASE_VOCAB, extend_tokenizer, greedy, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "models" / "vision"
@@ -288,11 +288,7 @@ def plain_positions(model, config: dict, inputs, n: int) -> list[int]:
     embeds = model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"], **extra).inputs_embeds
     cache = make_prompt_cache(text)
     logits = text(inputs["input_ids"], cache=cache, input_embeddings=embeds)[:, -1, :]
-    tokens = []
-    for _ in range(n):
-        tokens.append(int(mx.argmax(logits[0])))
-        logits = text(mx.array([[tokens[-1]]]), cache=cache)[:, -1, :]
-    return tokens
+    return greedy(logits, lambda token: text(mx.array([[token]]), cache=cache)[:, -1, :], n)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_vision_qwen2vl import ATTENTION_SCALE, gradient_image  # noqa: E402
-from vision_tokens import BASE_VOCAB, extend_tokenizer, write_json  # noqa: E402
+from vision_build import BASE_VOCAB, extend_tokenizer, greedy, qwen_layout, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "models" / "templates" / "qwen3_5.jinja"
@@ -190,28 +190,16 @@ def plain_positions(model, inputs, n: int) -> list[int]:
     embeds = model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"], **extra).inputs_embeds
     cache = make_prompt_cache(text)
     logits = text(inputs["input_ids"], cache=cache, input_embeddings=embeds)[:, -1, :]
-    tokens = []
-    for _ in range(n):
-        tokens.append(int(mx.argmax(logits[0])))
-        logits = text(mx.array([[tokens[-1]]]), cache=cache)[:, -1, :]
-    return tokens
+    return greedy(logits, lambda token: text(mx.array([[token]]), cache=cache)[:, -1, :], n)
 
 
 def verify(out: Path) -> None:
     import mlx_vlm
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    model, processor = mlx_vlm.load(str(out))
-    print(f"loaded {type(model).__module__}.{type(model).__name__} / {type(processor).__name__}")
-    tokenizer = load_tokenizer(out)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    want = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe the image.<|im_end|>\n"
-    assert prompt == want + "<|im_start|>assistant\n<think>\n", prompt
     image = gradient_image(128, 128)
-    inputs = processor(text=[prompt], images=[image])
-    ids = inputs["input_ids"][0].tolist()
-    assert ids.count(TOKEN_IDS["<|image_pad|>"]) == IMAGE_TOKENS, ids
+    model, processor, prompt, inputs = qwen_layout(
+        out, "<|im_start|>assistant\n<think>\n", TOKEN_IDS["<|image_pad|>"], IMAGE_TOKENS, image
+    )
     _, deltas = model.language_model.get_rope_index(inputs["input_ids"], inputs["image_grid_thw"])
     delta = int(deltas.reshape(-1)[0])
     assert delta == -(IMAGE_TOKENS - 4), delta

@@ -47,7 +47,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_vision_qwen2vl import ATTENTION_SCALE, gradient_image  # noqa: E402
 from train_vision_qwen3_5 import PREPROCESSOR_CONFIG  # noqa: E402
-from vision_tokens import BASE_VOCAB, extend_tokenizer, write_json  # noqa: E402
+from vision_build import BASE_VOCAB, extend_tokenizer, greedy, qwen_layout, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "models" / "vision"
@@ -203,28 +203,16 @@ def without(model, inputs, n: int, positions: bool) -> list[int]:
         length = inputs["input_ids"].shape[1]
         kwargs = {"position_ids": mx.broadcast_to(mx.arange(length)[None, None], (3, 1, length))}
     logits = language(inputs["input_ids"], features.inputs_embeds, cache=cache, **kwargs).logits[:, -1, :]
-    tokens = []
-    for _ in range(n):
-        tokens.append(int(mx.argmax(logits[0])))
-        logits = language(mx.array([[tokens[-1]]]), cache=cache).logits[:, -1, :]
-    return tokens
+    return greedy(logits, lambda token: language(mx.array([[token]]), cache=cache).logits[:, -1, :], n)
 
 
 def verify(out: Path) -> None:
     import mlx_vlm
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    model, processor = mlx_vlm.load(str(out))
-    print(f"loaded {type(model).__module__}.{type(model).__name__} / {type(processor).__name__}")
-    tokenizer = load_tokenizer(out)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    want = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe the image.<|im_end|>\n"
-    assert prompt == want + "<|im_start|>assistant\n", prompt
     image = gradient_image(128, 128)
-    inputs = processor(text=[prompt], images=[image])
-    ids = inputs["input_ids"][0].tolist()
-    assert ids.count(TOKEN_IDS["<|image_pad|>"]) == IMAGE_TOKENS, ids
+    model, processor, prompt, inputs = qwen_layout(
+        out, "<|im_start|>assistant\n", TOKEN_IDS["<|image_pad|>"], IMAGE_TOKENS, image
+    )
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     features = model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"], **extra)
     assert len(features.deepstack_visual_embeds) == 2, features.deepstack_visual_embeds
