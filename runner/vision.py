@@ -21,10 +21,9 @@ the embeddings mlx-vlm computes (``embeddings``), the rest on ids.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -76,7 +75,7 @@ class VisionInput:
         if "mask" in pixels:  # the processor's attention mask covers the prompt: the answer is attended too
             mask = pixels["mask"]
             pixels["mask"] = np.concatenate([mask, np.ones((mask.shape[0], len(answer)), mask.dtype)], axis=1)
-        return dataclasses.replace(self, real_ids=self.real_ids + list(answer), pixels=pixels, positions=positions)
+        return replace(self, real_ids=self.real_ids + list(answer), pixels=pixels, positions=positions)
 
 
 class Vision:
