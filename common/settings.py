@@ -153,6 +153,21 @@ def adapter_folders(text: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split(",") if item)
 
 
+def _ints(key: str, value) -> str:
+    """A list of positive integers: ``[512, 256]`` or ``512,256``, kept as the latter."""
+    items = [item for item in value.split(",") if item.strip()] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise SettingsError(key, "expected a list of numbers such as [512, 256]")
+    numbers = []
+    for item in items:
+        if isinstance(item, str) and item.strip().isdigit():
+            item = int(item)
+        if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+            raise SettingsError(key, f"{item!r} is not a positive number")
+        numbers.append(item)
+    return ",".join(map(str, numbers))
+
+
 def _cache_limit(key: str, value) -> str | int:
     return value if value in (CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED) else parse_size(key, value)
 
@@ -170,6 +185,7 @@ _PARSERS = {
     "depth": _depth,
     "cache_limit": _cache_limit,
     "adapters": _adapters,
+    "ints": _ints,
 }
 
 
@@ -373,6 +389,21 @@ class RunnerSettings:
         "str",
         "hosts whose image URLs are fetched even at a private address (an internal image server), comma-separated",
     )
+    kind: str = setting(
+        "auto",
+        "str",
+        'what the model does: "generate", "embed" (embeddings) or "rerank" (a cross-encoder); "auto" tells it '
+        "from the folder (common/embedding.py: modules.json, the config's architectures)",
+    )
+    matryoshka: str = setting(
+        "",
+        "ints",
+        "an embedding model trained for shorter vectors (Matryoshka): the sizes a request's dimensions may ask, "
+        "e.g. [512, 256, 128]; empty = its full vectors only",
+    )
+    embed_batch: int = setting(
+        64, "int", "an embedding or reranking model's inputs in one forward pass at most (runner/embedding)"
+    )
     debug_rpcs: bool = setting(False, "bool", "debug: enable the DebugBlock RPC")
 
     def __post_init__(self):
@@ -449,10 +480,18 @@ class RunnerSettings:
         for name in ("max_images", "max_image_bytes", "max_image_pixels", "image_pixels"):
             if getattr(self, name) < 1:
                 raise SettingsError(name, "must be at least 1")
+        if self.kind not in ("auto", "generate", "embed", "rerank"):
+            raise SettingsError("kind", f"{self.kind!r} is not one of auto, generate, embed, rerank")
+        if self.embed_batch < 1:
+            raise SettingsError("embed_batch", "must be at least 1")
         if self.tool_format and self.tool_format not in TOOL_FORMATS:
             raise SettingsError("tool_format", f"{self.tool_format!r} is not one of {', '.join(TOOL_FORMATS)}")
 
     # -- what the engine reads --------------------------------------------------------------------------
+
+    @property
+    def matryoshka_dimensions(self) -> tuple[int, ...]:
+        return tuple(int(n) for n in self.matryoshka.split(",") if n)
 
     @property
     def prefill_seconds(self) -> float:

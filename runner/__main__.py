@@ -190,6 +190,12 @@ def main(argv=None) -> int:
         settings = dataclasses.replace(settings, max_batch=1)
     if args.group_rank:
         return follow(args, settings)
+    from common.embedding import model_kind
+
+    if model_kind(settings.target, settings.kind) != "generate":  # an embedding or reranking model
+        from .embedding.service import serve
+
+        return serve(args, settings, prepare_unix_socket, EXIT_BAD_START, EXIT_ENGINE_FAILURE)
 
     from common.errors import ModelLoadError
 

@@ -29,6 +29,7 @@ from common.defaults import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_STALL_AFTER,
 )
+from common.embedding import not_this_kind
 from common.errors import NotReady
 from common.protocol import runner_pb2, runner_pb2_grpc
 from common.reasoning import ReasoningSplitter
@@ -311,6 +312,14 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             for job in list(jobs):
                 job.cancel()
 
+    def Embed(self, message, context):
+        self._ready()
+        raise not_this_kind(self.name, "generate", "embeddings")
+
+    def Rerank(self, message, context):
+        self._ready()
+        raise not_this_kind(self.name, "generate", "rerank")
+
     def CountTokens(self, message, context):
         self._ready()
         prepared = self.engine.prepare(request_from_proto(message), counting=True)
@@ -356,6 +365,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             max_output_tokens=engine.settings.max_output_tokens,
             reasoning_format=engine.reasoning.kind if engine.reasoning is not None else "",
             vision=engine.vision is not None,
+            kind="generate",
         )
         if engine.draft is not None:
             response.draft.CopyFrom(model_info(engine.draft))

@@ -805,8 +805,9 @@ def create_app(supervisor) -> FastAPI:
 
         return EventStream(events(), generation, chunks)
 
-    from . import anthropic_api, ollama_api, responses_api
+    from . import anthropic_api, embeddings_api, ollama_api, responses_api
 
+    embeddings_api.register(app, supervisor, authorized)
     anthropic_api.register(app, supervisor, authorized, until_done)
     ollama_api.register(app, supervisor, authorized, until_done)
     responses_api.register(app, supervisor, authorized, until_done)

@@ -81,7 +81,7 @@ NOT_HONOURED = {
 TAKEN = {"temperature", "top_k", "top_p", "min_p", "seed", "num_predict", "stop", "num_ctx"}
 TAKEN |= {"repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n"}
 TAKEN |= {"reasoning_budget"}  # this server's: the most reasoning tokens of a model that thinks (its end forced)
-NOT_HERE = ("push", "create", "copy", "embed", "embeddings", "blobs")
+NOT_HERE = ("push", "create", "copy", "blobs")  # /api/embed and /api/embeddings: supervisor/embeddings_api.py
 
 
 def _base64_text(value, where: str) -> str:
@@ -542,10 +542,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
         )
         async def not_here(request: Request):
             what = request.url.path.split("/")[2]
-            if what in ("embed", "embeddings"):
-                why = "this server does not serve embedding models yet"
-            else:
-                why = "this server's models are configured in its TOML config (docs/configuration.md), not pulled"
+            why = "this server's models are configured in its TOML config (docs/configuration.md), not pulled"
             raise ServiceError(Code.UNIMPLEMENTED, f"/api/{what} is not supported here: {why}")
 
     @app.api_route("/", methods=["GET", "HEAD"])

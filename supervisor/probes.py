@@ -94,6 +94,24 @@ class Metrics:
         self.hard_limit = Gauge(
             "mlxserve_runner_hard_limit_bytes", "The model's hard memory limit (0: none)", ["model"], registry=r
         )
+        # Embedding and reranking models (supervisor/embeddings.py).
+        self.embed_requests = Counter(
+            "mlxserve_embed_requests",
+            "Embed and Rerank requests by kind (embed, rerank) and final status",
+            ["model", "kind", "code"],
+            registry=r,
+        )
+        self.embedded_inputs = Counter(
+            "mlxserve_embedded_inputs", "Inputs embedded, or documents scored", ["model"], registry=r
+        )
+        self.embedded_tokens = Counter("mlxserve_embedded_tokens", "Tokens of those inputs", ["model"], registry=r)
+        self.embed_seconds = Histogram(
+            "mlxserve_embed_seconds",
+            "Time of an Embed or Rerank request through its runner",
+            ["model"],
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
         self.generated: dict[str, int] = {}  # model -> tokens relayed since start, counted as they go (top's rates)
         self.last_acceptance: dict[str, float] = {}
 

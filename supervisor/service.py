@@ -24,7 +24,7 @@ from common import __version__
 from common.defaults import CHANNEL_OPTIONS
 from common.status import AsyncStatusInterceptor
 
-from . import hub
+from . import embeddings, hub
 from .config import SupervisorConfig, resolve_gguf, resolve_hub
 from .front_door import FrontDoor
 from .generation import Generation, count_tokens
@@ -57,6 +57,12 @@ class SupervisorService(supervisor_pb2_grpc.SupervisorServicer):
         context.add_done_callback(lambda _: generation.cancel())  # client gone or deadline passed
         async for chunk in generation:
             yield chunk
+
+    async def Embed(self, request, context):
+        return await embeddings.embed(self.sup, request, context.time_remaining())
+
+    async def Rerank(self, request, context):
+        return await embeddings.rerank(self.sup, request, context.time_remaining())
 
     async def ListModels(self, request, context):
         return supervisor_pb2.ListModelsResponse(

@@ -138,7 +138,7 @@ def test_keep_alive_zero_unloads_and_an_empty_request_loads(client):
         (lambda c: c.chat(model="smol", messages=ASK, think=True), 400, "think"),
         (lambda c: c.pull("org/model"), 403, 'set pull = "any"'),  # pull = "cached", the default
         (lambda c: c.push("smol"), 501, "not supported here"),
-        (lambda c: c.embed(model="smol", input="hi"), 501, "does not serve embedding models yet"),
+        (lambda c: c.embed(model="smol", input="hi"), 400, "model smol generates text"),
     ],
 )
 def test_errors_come_in_ollamas_shape(client, call, status, words):

@@ -50,6 +50,9 @@ EVERY_SETTING_CHANGED = RunnerSettings(
     tool_format="pythonic",
     grace=3.0,
     debug_rpcs=True,
+    kind="embed",
+    matryoshka=[256, 128],
+    embed_batch=32,
 )
 
 

@@ -254,6 +254,68 @@ class ToolCallDelta(_message.Message):
     arguments: str
     def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("texts", "token_ids", "truncate", "dimensions", "request_id", "prompt_name")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    truncate: bool
+    dimensions: int
+    request_id: str
+    prompt_name: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., truncate: _Optional[bool] = ..., dimensions: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_name: _Optional[str] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values", "tokens")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    tokens: int
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "prompt_tokens", "truncated")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    prompt_tokens: int
+    truncated: int
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., truncated: _Optional[int] = ...) -> None: ...
+
+class RerankRequest(_message.Message):
+    __slots__ = ("query", "documents", "truncate", "request_id")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    query: str
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    truncate: bool
+    request_id: str
+    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., truncate: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class RerankResponse(_message.Message):
+    __slots__ = ("scores", "prompt_tokens", "truncated")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    truncated: int
+    def __init__(self, scores: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., truncated: _Optional[int] = ...) -> None: ...
+
 class CountTokensResponse(_message.Message):
     __slots__ = ("prompt_tokens",)
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -297,7 +359,7 @@ class ModelInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., architecture: _Optional[str] = ..., parameters: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., quantization_group_size: _Optional[int] = ..., cache: _Optional[str] = ..., rewindable: _Optional[bool] = ..., row_padded_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., sliding_layers: _Optional[int] = ..., row_padding: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue", "speculative", "decoding", "dtype_reason", "runtime_rss", "prompt_cache_budget", "drafter", "adaptive_depth", "max_draft_tokens", "max_batch", "batch_memory", "backend", "device_detail", "device_memory", "tool_format", "chat_template", "kv_bits", "kv_group_size", "quantized_kv_start", "ranks", "rank_pids", "rank_memory", "parallelism", "group_backend", "max_output_tokens", "reasoning_format", "vision")
+    __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue", "speculative", "decoding", "dtype_reason", "runtime_rss", "prompt_cache_budget", "drafter", "adaptive_depth", "max_draft_tokens", "max_batch", "batch_memory", "backend", "device_detail", "device_memory", "tool_format", "chat_template", "kv_bits", "kv_group_size", "quantized_kv_start", "ranks", "rank_pids", "rank_memory", "parallelism", "group_backend", "max_output_tokens", "reasoning_format", "vision", "kind", "embedding_dimensions", "matryoshka_dimensions", "pooling", "normalized")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +397,11 @@ class InfoResponse(_message.Message):
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REASONING_FORMAT_FIELD_NUMBER: _ClassVar[int]
     VISION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZED_FIELD_NUMBER: _ClassVar[int]
     name: str
     target: ModelInfo
     draft: ModelInfo
@@ -372,7 +439,12 @@ class InfoResponse(_message.Message):
     max_output_tokens: int
     reasoning_format: str
     vision: bool
-    def __init__(self, name: _Optional[str] = ..., target: _Optional[_Union[ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., release_interval: _Optional[int] = ..., release_enabled: _Optional[bool] = ..., cache_limit: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., max_queue: _Optional[int] = ..., speculative: _Optional[bool] = ..., decoding: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., runtime_rss: _Optional[int] = ..., prompt_cache_budget: _Optional[int] = ..., drafter: _Optional[str] = ..., adaptive_depth: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., max_batch: _Optional[int] = ..., batch_memory: _Optional[int] = ..., backend: _Optional[str] = ..., device_detail: _Optional[str] = ..., device_memory: _Optional[int] = ..., tool_format: _Optional[str] = ..., chat_template: _Optional[bool] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., quantized_kv_start: _Optional[int] = ..., ranks: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ..., rank_memory: _Optional[_Iterable[int]] = ..., parallelism: _Optional[str] = ..., group_backend: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., reasoning_format: _Optional[str] = ..., vision: _Optional[bool] = ...) -> None: ...
+    kind: str
+    embedding_dimensions: int
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    pooling: str
+    normalized: bool
+    def __init__(self, name: _Optional[str] = ..., target: _Optional[_Union[ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[ModelInfo, _Mapping]] = ..., device: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., release_interval: _Optional[int] = ..., release_enabled: _Optional[bool] = ..., cache_limit: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., max_queue: _Optional[int] = ..., speculative: _Optional[bool] = ..., decoding: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., runtime_rss: _Optional[int] = ..., prompt_cache_budget: _Optional[int] = ..., drafter: _Optional[str] = ..., adaptive_depth: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., max_batch: _Optional[int] = ..., batch_memory: _Optional[int] = ..., backend: _Optional[str] = ..., device_detail: _Optional[str] = ..., device_memory: _Optional[int] = ..., tool_format: _Optional[str] = ..., chat_template: _Optional[bool] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., quantized_kv_start: _Optional[int] = ..., ranks: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ..., rank_memory: _Optional[_Iterable[int]] = ..., parallelism: _Optional[str] = ..., group_backend: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., reasoning_format: _Optional[str] = ..., vision: _Optional[bool] = ..., kind: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., pooling: _Optional[str] = ..., normalized: _Optional[bool] = ...) -> None: ...
 
 class MemoryRequest(_message.Message):
     __slots__ = ()

@@ -59,6 +59,16 @@ class RunnerStub:
                 request_serializer=common_dot_protocol_dot_runner__pb2.ReleaseMemoryRequest.SerializeToString,
                 response_deserializer=common_dot_protocol_dot_runner__pb2.ReleaseMemoryResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/mlxserve.runner.v1.Runner/Embed',
+                request_serializer=common_dot_protocol_dot_runner__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/mlxserve.runner.v1.Runner/Rerank',
+                request_serializer=common_dot_protocol_dot_runner__pb2.RerankRequest.SerializeToString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.RerankResponse.FromString,
+                _registered_method=True)
         self.DebugBlock = channel.unary_unary(
                 '/mlxserve.runner.v1.Runner/DebugBlock',
                 request_serializer=common_dot_protocol_dot_runner__pb2.DebugBlockRequest.SerializeToString,
@@ -112,6 +122,22 @@ class RunnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """An embedding model (runner/embedding): one vector per input, the inputs of concurrent calls batched
+        together. A model that generates refuses it (INVALID_ARGUMENT naming the model), and an embedding model
+        refuses Generate and CountTokens the same way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rerank(self, request, context):
+        """A reranking model (a cross-encoder): one relevance score per document for the query.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DebugBlock(self, request, context):
         """Debug only (runner started with --debug-rpcs): block the MLX thread for a while.
         """
@@ -154,6 +180,16 @@ def add_RunnerServicer_to_server(servicer, server):
                     servicer.ReleaseMemory,
                     request_deserializer=common_dot_protocol_dot_runner__pb2.ReleaseMemoryRequest.FromString,
                     response_serializer=common_dot_protocol_dot_runner__pb2.ReleaseMemoryResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=common_dot_protocol_dot_runner__pb2.EmbedRequest.FromString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=common_dot_protocol_dot_runner__pb2.RerankRequest.FromString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.RerankResponse.SerializeToString,
             ),
             'DebugBlock': grpc.unary_unary_rpc_method_handler(
                     servicer.DebugBlock,
@@ -301,6 +337,60 @@ class Runner:
             '/mlxserve.runner.v1.Runner/ReleaseMemory',
             common_dot_protocol_dot_runner__pb2.ReleaseMemoryRequest.SerializeToString,
             common_dot_protocol_dot_runner__pb2.ReleaseMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxserve.runner.v1.Runner/Embed',
+            common_dot_protocol_dot_runner__pb2.EmbedRequest.SerializeToString,
+            common_dot_protocol_dot_runner__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxserve.runner.v1.Runner/Rerank',
+            common_dot_protocol_dot_runner__pb2.RerankRequest.SerializeToString,
+            common_dot_protocol_dot_runner__pb2.RerankResponse.FromString,
             options,
             channel_credentials,
             insecure,

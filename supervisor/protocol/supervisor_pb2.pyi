@@ -146,6 +146,38 @@ class GenerateRequest(_message.Message):
     model: str
     def __init__(self, prompt: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., ignore_eos: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[_runner_pb2.ChatMessage, _Mapping]]] = ..., chat_template_kwargs: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., drafter: _Optional[str] = ..., grammar: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., tool_name: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_context: _Optional[int] = ..., resume_ids: _Optional[_Iterable[int]] = ..., resume_text: _Optional[int] = ..., n: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., context_ids: _Optional[_Iterable[int]] = ..., return_prompt_ids: _Optional[bool] = ..., defaulted: _Optional[_Iterable[str]] = ..., adapter: _Optional[str] = ..., think: _Optional[str] = ..., reasoning_budget: _Optional[int] = ..., reasoning_effort: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
+class EmbedRequest(_message.Message):
+    __slots__ = ("texts", "token_ids", "truncate", "dimensions", "request_id", "prompt_name", "model")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedCompositeFieldContainer[_runner_pb2.TokenIds]
+    truncate: bool
+    dimensions: int
+    request_id: str
+    prompt_name: str
+    model: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[_Union[_runner_pb2.TokenIds, _Mapping]]] = ..., truncate: _Optional[bool] = ..., dimensions: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_name: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class RerankRequest(_message.Message):
+    __slots__ = ("query", "documents", "truncate", "request_id", "model")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    query: str
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    truncate: bool
+    request_id: str
+    model: str
+    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., truncate: _Optional[bool] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
 class MemorySample(_message.Message):
     __slots__ = ("rss", "anonymous", "pss", "uss", "peak_rss", "growth_bytes_per_s", "mlx_active", "mlx_cache", "mlx_peak", "mlx_releases", "soft_limit", "hard_limit", "history_samples", "estimate", "prompt_cache", "queued", "active_requests", "process_rss")
     RSS_FIELD_NUMBER: _ClassVar[int]

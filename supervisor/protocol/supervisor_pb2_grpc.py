@@ -65,6 +65,16 @@ class SupervisorStub:
                 request_serializer=supervisor_dot_protocol_dot_supervisor__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=supervisor_dot_protocol_dot_supervisor__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/mlxserve.v1.Supervisor/Embed',
+                request_serializer=supervisor_dot_protocol_dot_supervisor__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/mlxserve.v1.Supervisor/Rerank',
+                request_serializer=supervisor_dot_protocol_dot_supervisor__pb2.RerankRequest.SerializeToString,
+                response_deserializer=common_dot_protocol_dot_runner__pb2.RerankResponse.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/mlxserve.v1.Supervisor/Pull',
                 request_serializer=supervisor_dot_protocol_dot_supervisor__pb2.PullRequest.SerializeToString,
@@ -114,6 +124,20 @@ class SupervisorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed texts or token ids with an embedding model (runner/embedding), loaded on first use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rerank(self, request, context):
+        """Score documents against a query with a reranking model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Pull(self, request, context):
         """Fetch a hub repository into the hub cache ("org/name", "org/name@rev", "org/name:QUANT",
         "org/name/file.gguf"), streaming its progress; allowed when the config's pull is "any".
@@ -154,6 +178,16 @@ def add_SupervisorServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=supervisor_dot_protocol_dot_supervisor__pb2.GetStatusRequest.FromString,
                     response_serializer=supervisor_dot_protocol_dot_supervisor__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=supervisor_dot_protocol_dot_supervisor__pb2.EmbedRequest.FromString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=supervisor_dot_protocol_dot_supervisor__pb2.RerankRequest.FromString,
+                    response_serializer=common_dot_protocol_dot_runner__pb2.RerankResponse.SerializeToString,
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
@@ -323,6 +357,60 @@ class Supervisor:
             '/mlxserve.v1.Supervisor/GetStatus',
             supervisor_dot_protocol_dot_supervisor__pb2.GetStatusRequest.SerializeToString,
             supervisor_dot_protocol_dot_supervisor__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxserve.v1.Supervisor/Embed',
+            supervisor_dot_protocol_dot_supervisor__pb2.EmbedRequest.SerializeToString,
+            common_dot_protocol_dot_runner__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mlxserve.v1.Supervisor/Rerank',
+            supervisor_dot_protocol_dot_supervisor__pb2.RerankRequest.SerializeToString,
+            common_dot_protocol_dot_runner__pb2.RerankResponse.FromString,
             options,
             channel_credentials,
             insecure,
