@@ -26,6 +26,7 @@ The estimate of a runner is the sum of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import platform
@@ -185,6 +186,7 @@ class ModelFootprint:
     unsplit_checkpoint_bytes: int = 0
     unsplit_float32_bytes: int = 0
     vision: VisionFootprint | None = None  # a model that sees
+    kind: str = "generate"  # or "embed", "rerank" (common.embedding.model_kind): no KV cache, a batch's transient
 
     @classmethod
     def of(cls, folder: str | Path) -> ModelFootprint:
@@ -196,7 +198,10 @@ class ModelFootprint:
         tensors = {}
         for file in files:
             tensors.update(read_safetensors_header(file))
-        return cls.from_parts(folder, config, tensors, preprocessor_config(folder))
+        from .embedding import model_kind
+
+        footprint = cls.from_parts(folder, config, tensors, preprocessor_config(folder))
+        return dataclasses.replace(footprint, kind=model_kind(folder))
 
     @classmethod
     def from_parts(cls, folder: Path, config: dict, tensors: dict, preprocessor: dict | None = None) -> ModelFootprint:
@@ -408,6 +413,9 @@ def estimate(
     if device == "cpu":
         prefill = 2 * here * prefill_score_bytes(max(f.heads for f in footprints), tokens, score_bytes)
     runtime = RUNTIME_OVERHEAD if runtime_overhead is None else runtime_overhead
+    if target.kind != "generate":  # an embedding model or reranker (runner/embedding): no cache; a batch's
+        # attention scores are kept under score_bytes, its activations are a fraction of them
+        return Estimate(weights, 0, 2 * score_bytes, here * runtime, 0)
     vision = 0
     if target.vision is not None:  # the tower runs on rank 0 only
         vision = target.vision.transient(images, image_pixels, device, 4 if dtype == "float32" else 2)

@@ -371,3 +371,14 @@ def test_metrics_count_embeddings(sup):
     inputs = [line for line in text.splitlines() if line.startswith('mlxserve_embedded_inputs_total{model="minilm"}')]
     assert inputs and float(inputs[0].split()[-1]) >= 3
     assert 'mlxserve_embed_requests_total{code="INVALID_ARGUMENT",kind="embed",model="minilm"}' in text
+
+
+def test_the_memory_estimate_counts_no_cache_for_an_embedding_model(sup):
+    from common.footprint import ModelFootprint, estimate
+
+    footprint = ModelFootprint.of(MINILM_DIR)
+    needed = estimate([footprint], "float32", "cpu")
+    assert footprint.kind == "embed" and needed.kv_cache == 0
+    assert 90e6 < needed.weights < 110e6  # 22.7M float32 parameters (90.3 MB), with the load slack
+    status = sup.client.model("minilm")
+    assert needed.weights + needed.prefill <= status.memory.estimate < 2**30  # what the supervisor reports
