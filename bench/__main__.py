@@ -33,6 +33,7 @@ SECTIONS = (
     "reasoning",
     "vision",
     "versus",
+    "embeddings",
 )
 
 PAGE_HEADER = """# Benchmarks
