@@ -1,13 +1,20 @@
 """The draft depth: how many tokens to draft in the next round, learned as the runner goes.
 
-The ``DepthController`` keeps moving averages of
+The ``DepthController`` keeps
 - the acceptance at each draft position: a_i, the chance that draft i is kept
   when every draft before it was. This is a property of the request (one that
   copies from its input keeps nearly every n-gram draft, prose keeps few), so
-  each request learns its own (``for_request``), starting from what the
-  runner's requests kept so far (``finish`` folds each one in). With one
-  average for the whole runner, a request that followed a copying one started
-  deep and kept few of its drafts for many rounds;
+  each request learns its own (``for_request``), starting from the first
+  position's acceptance the runner's requests saw so far (``finish`` folds each
+  one in). Each position keeps decayed counts of the rounds that reached it and
+  kept its draft (weight ``SMOOTHING`` for the newest), and is expected kept
+  (kept + a_(i-1)) / (reached + 1): a position this request has seldom or never
+  reached leans on the one before it. Acceptance comes in runs (text being
+  copied goes on being copied), so after a few rounds at depth 2 that keep
+  everything, depth 4 is expected to keep nearly everything too. Positions
+  carried over from other requests, or averaged without their counts, held deep
+  positions at what probes of prose had seen, and a request that copied its
+  input stayed at depth 2 where 4 was 1.1x faster (docs/design.md);
 - the wall time of a round at each depth k (draft, verify, rewind and the host's
   work on what it emitted): a property of the runner and its machine, shared
   by every request per runner and drafter.
@@ -18,8 +25,7 @@ E(k) / T(k), among the depths it has timed and the one just deeper than the
 deepest timed - k = 0 (plain decoding) when no drafting pays. It climbs as far
 as the evidence carries it, without waiting for a probe:
 - a position no round has reached yet is expected to be kept as often as the
-  deepest one reached (text that is being copied goes on being copied), not at
-  an even chance;
+  one before it, not at an even chance;
 - the time of an untimed depth is extrapolated along the line through the
   timed ones (least squares), and never below the deepest timed depth's.
 (Expecting an unreached position kept at an even chance, and trying only timed
@@ -53,15 +59,26 @@ not depend on timing.
 from __future__ import annotations
 
 import collections
+import math
 
 DEFAULT_MAX_DEPTH = 6
 SMOOTHING = 0.2  # weight of the newest round in the moving averages
-REQUEST_SMOOTHING = 0.25  # weight of the last request in the acceptance a new request starts from
-PRIOR_ACCEPTANCE = 0.5
+REQUEST_SMOOTHING = 0.25  # weight of the last request in the first position's acceptance a request starts from
+PRIOR_ACCEPTANCE = 0.5  # the first position's, before any round
+PRIOR_WEIGHT = 1.0  # rounds' worth of evidence in a position's prior (the runner's, or the position before it)
 PROBE_EVERY = 10
 MAX_PROBE_EVERY = 80
 SPIKE = 1.5  # a round counts for at most this times its depth's average
 MARGIN = 0.02  # another depth becomes the best when expected this much faster
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 0.02), 0.98)
+    return math.log(p / (1 - p))
+
+
+def _sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
 
 
 class DepthController:
@@ -82,7 +99,12 @@ class DepthController:
         self._probed_from: int | None = None  # the best depth when the pending probe was chosen
         self._last_best: int | None = None  # the best depth the last choice saw
         self.smoothing = smoothing
-        self.acceptance = [PRIOR_ACCEPTANCE] * max_depth  # a_1..a_max (index 0 is a_1)
+        # Per position (index 0 is a_1): decayed counts of the rounds that reached it, and of those that kept it.
+        self.seen = [0.0] * max_depth
+        self.kept = [0.0] * max_depth
+        # What a typical request on this runner keeps at each position (None: no request reached it yet); a
+        # request's controller holds its runner's as it was when the request began.
+        self.profile: list[float | None] = [PRIOR_ACCEPTANCE] + [None] * (max_depth - 1)
         self.reached = 0  # how many positions some round's verification has reached
         self.seconds: dict[int, float] = {}  # depth -> moving average of a round's seconds
         self.timed_at: dict[int, int] = {}  # depth -> the round it was last timed in
@@ -91,15 +113,32 @@ class DepthController:
         self._probe_up = True
         self.histogram: collections.Counter[int] = collections.Counter()
 
+    @property
+    def acceptance(self) -> list[float]:
+        """a_1..a_max as expected now: each position's counts, with ``PRIOR_WEIGHT`` rounds' worth of its prior.
+        a_1's prior is the runner's profile; a deeper position's is the profile's there, shifted in log-odds by as
+        much as this request's position before it differs from the profile's (a request that keeps more than
+        the typical one at position i - 1 is expected to keep more at i too), or, where no request reached it,
+        the position before it."""
+        out: list[float] = []
+        for i, (seen, kept) in enumerate(zip(self.seen, self.kept)):
+            here, before = self.profile[i], self.profile[i - 1] if i else None
+            if i == 0:
+                prior = here
+            elif here is None or before is None:
+                prior = out[-1]
+            else:
+                prior = _sigmoid(_logit(here) + _logit(out[-1]) - _logit(before))
+            out.append((kept + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT))
+        return out
+
     def expected_acceptance(self, i: int) -> float:
-        """a_(i+1) as expected now: learned where a round reached it; a position none reached is expected kept
-        as often as the deepest reached one (the prior before any round)."""
-        return self.acceptance[min(i, self.reached - 1)] if self.reached else PRIOR_ACCEPTANCE
+        return self.acceptance[i]
 
     def expected_tokens(self, depth: int) -> float:
         total, kept = 1.0, 1.0
-        for i in range(depth):
-            kept *= self.expected_acceptance(i)
+        for a in self.acceptance[:depth]:
+            kept *= a
             total += kept
         return total
 
@@ -139,10 +178,10 @@ class DepthController:
 
     def for_request(self) -> DepthController:
         """The controller of one request. Round times are the runner's (shared, and kept current by every
-        request); the acceptance is the request's own, starting from what requests on this runner kept
-        (``finish`` folds each request's in, a ``REQUEST_SMOOTHING`` step per request)."""
+        request); the acceptance is the request's own, its first position starting from what requests on this
+        runner kept (``finish`` folds each request's in, a ``REQUEST_SMOOTHING`` step per request)."""
         own = DepthController(self.max_depth, self.start, self.probe_every, self.max_probe_every, self.smoothing)
-        own.acceptance, own.reached = list(self.acceptance), self.reached
+        own.profile = self.profile.copy()
         own.seconds, own.timed_at, own.histogram = self.seconds, self.timed_at, self.histogram
         own.runner = self
         return own
@@ -152,9 +191,10 @@ class DepthController:
         runner, self.runner = self.runner, None
         if runner is None:
             return
-        for i in range(self.reached):
-            start = runner.expected_acceptance(i)
-            runner.acceptance[i] = start + REQUEST_SMOOTHING * (self.acceptance[i] - start)
+        for i, a in enumerate(self.acceptance[: self.reached]):
+            if self.seen[i] >= 1.0:  # evidence of its own, not only its prior
+                was = runner.profile[i]
+                runner.profile[i] = a if was is None else was + REQUEST_SMOOTHING * (a - was)
         runner.reached = max(runner.reached, self.reached)
 
     @property
@@ -189,10 +229,8 @@ class DepthController:
         w = self.smoothing
         reached = min(drafted, accepted + 1)  # positions the verification reached
         for i in range(reached):
-            if i >= self.reached:  # first seen: start from what was expected of it
-                self.acceptance[i] = self.expected_acceptance(i)
-            kept = 1.0 if i < accepted else 0.0
-            self.acceptance[i] += w * (kept - self.acceptance[i])
+            self.seen[i] = (1 - w) * self.seen[i] + 1.0
+            self.kept[i] = (1 - w) * self.kept[i] + (1.0 if i < accepted else 0.0)
         self.reached = max(self.reached, reached)
         if seconds is not None:
             previous = self.seconds.get(drafted)

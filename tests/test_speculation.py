@@ -60,13 +60,15 @@ def test_greedy_with_a_fixed_depth_equals_plain(engine, plain, drafter, k):
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_greedy_with_the_adaptive_depth_equals_plain(engine, plain, drafter):
+    depths = set()
     for prompt, expected in plain.items():
         tokens, stats = greedy(engine, prompt, drafter=drafter)
         assert tokens == expected
         assert sum(stats.depths.values()) == stats.rounds and stats.drafted == sum(
             depth * rounds for depth, rounds in stats.depths.items()
         )
-        assert len(stats.depths) >= 2  # it tried more than one depth
+        depths |= set(stats.depths)
+    assert len(depths) >= 2  # it drafted at some depth, and ran plain rounds (on prose, n-gram may never draft)
 
 
 @pytest.mark.parametrize("k", [0, 1])
@@ -197,12 +199,29 @@ def test_each_request_learns_its_own_acceptance_and_shares_the_round_times():
     copying = runner.for_request()
     assert copying.acceptance == runner.acceptance and copying.seconds is runner.seconds
     steady(copying, 60, seconds, 0.95, rng)
-    assert copying.best() >= 4 and copying.acceptance[0] > 0.9
+    assert copying.best() >= 4 and copying.acceptance[0] > 0.85  # 0.95 kept, one round of prose prior
     assert runner.acceptance[0] == prose  # the runner's starting point moves when the request ends, not per round
     copying.finish()
     # A quarter of the way from what the earlier requests kept to what this one kept.
     assert runner.acceptance[0] == pytest.approx(prose + 0.25 * (copying.acceptance[0] - prose))
-    assert runner.acceptance[0] < 0.5
+    assert copying.acceptance[0] - runner.acceptance[0] > 0.3  # the next request starts nearer prose than copying
+
+
+def test_a_request_that_keeps_every_shallow_draft_expects_the_deeper_ones_kept():
+    """Acceptance comes in runs: a request copying its input at depth 2 expects depth 4 to keep as much, whatever
+    probes of earlier prose requests saw at those positions. SmolLM2 copying a list stayed at k = 2 (the deep
+    positions held at what prose had kept) where k = 4 was 1.1x faster."""
+    runner = DepthController(max_depth=6, probe_every=1000, max_probe_every=1000)
+    seconds = {0: 0.057, 1: 0.080, 2: 0.076, 3: 0.108, 4: 0.115, 5: 0.130}  # SmolLM2's, measured
+    prose = runner.for_request()
+    for k in (4, 3, 4, 5, 2, 2, 2):  # probes that kept little
+        prose.record(k, 0, seconds[k])
+    prose.finish()
+    copying = runner.for_request()
+    for _ in range(4):
+        copying.record(2, 2, seconds[2])
+    assert copying.acceptance[3] > 0.8
+    assert copying.best() >= 4
 
 
 def test_a_request_times_the_starting_depth_when_the_runner_has_timed_only_plain_rounds():
