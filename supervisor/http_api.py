@@ -824,7 +824,11 @@ class HttpServer:
         host, _, port = listen.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on a connection whose
+        # socket says it is TCP, and accepted sockets take the listener's. Left on, uvicorn's two writes of an answer
+        # (its headers, then its body) waited for the client's delayed ACK of the first: 40 ms added to every
+        # non-streamed answer after a connection's first (measured: 44 ms for GET /v1/models, 4 ms without).
+        self.socket = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # Every connection's send buffer fixed (connections inherit it from the listening socket), not grown by
         # the kernel up to 4 MiB: a client that stops reading stops its stream after this and uvicorn's 64 KiB,
