@@ -271,7 +271,7 @@ class RunnerSettings:
     kv_bits: int = setting(
         0,
         "int",
-        "store the target's KV cache quantized to 8 or 4 bits (0 = float); decodes one request at a time "
+        "store the target's KV cache quantized to 8 or 4 bits (0 = float); batches run quantized too "
         "(runner/kv_quant.py)",
     )
     kv_group_size: int = setting(64, "int", "values per scale and bias in a quantized KV cache: 32, 64 or 128")

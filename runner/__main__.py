@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import dataclasses
 import logging
 import os
 import signal
@@ -183,11 +182,6 @@ def main(argv=None) -> int:
     logs.setup("runner", args.log_format, model=settings.name)
     log = logging.getLogger("runner")
     die_with_parent(args.parent_pid or os.getppid())
-    if settings.kv_bits and settings.max_batch > 1:
-        # mlx-lm's batched caches refuse quantized layers: a quantized KV cache decodes one request at a time.
-        if not args.group_rank:
-            log.warning("kv_bits = %d: requests are decoded one at a time (max_batch 1)", settings.kv_bits)
-        settings = dataclasses.replace(settings, max_batch=1)
     if args.group_rank:
         return follow(args, settings)
     from common.embedding import model_kind

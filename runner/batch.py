@@ -33,13 +33,31 @@ Caches that cannot be trimmed (recurrent layers) step without the queue.
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache
 
+from .kv_quant import BatchQuantizedKVCache
 from .rewind import leaves
 
 
-def merge(caches: list[list]) -> list:
-    """One batched cache per layer from the sessions' own caches (mlx-lm's ``merge`` of each cache class)."""
-    return [type(layers[0]).merge(list(layers)) for layers in zip(*caches)]
+def merge(caches: list[list], kv=None) -> list:
+    """One batched cache per layer from the sessions' own caches (mlx-lm's ``merge`` of each cache class; our
+    ``BatchQuantizedKVCache`` for quantized layers). ``kv`` (``runner.kv_quant.KVQuantization``): the float
+    layers of a position where another row's is quantized are quantized too."""
+    merged = []
+    for layers in zip(*caches):
+        layers = kv.quantized(list(layers)) if kv is not None else list(layers)
+        kind = BatchQuantizedKVCache if type(layers[0]) is QuantizedKVCache else type(layers[0])
+        merged.append(kind.merge(layers))
+    return merged
+
+
+def _alike(layer, other, kv):
+    """``layer`` and ``other`` (batched, to be joined) in one layout: a float one quantized where the other is."""
+    if kv is not None and type(layer) is BatchKVCache and isinstance(other, BatchQuantizedKVCache):
+        layer = BatchQuantizedKVCache.of(layer, kv.group_size, kv.bits)
+    if kv is not None and type(other) is BatchKVCache and isinstance(layer, BatchQuantizedKVCache):
+        other = BatchQuantizedKVCache.of(other, kv.group_size, kv.bits)
+    return layer, other
 
 
 def prefill_rows(model, caches: list[list], suffixes: list[list[int]]) -> None:
@@ -89,7 +107,9 @@ def capacity(cache: list) -> tuple:
     shapes = []
     for layer in leaves(cache):  # a CacheList's caches one by one
         keys = getattr(layer, "keys", None)
-        if keys is not None:
+        if isinstance(keys, tuple):  # quantized: (packed values, scales, biases)
+            shapes.append(tuple(keys[0].shape) + (getattr(layer, "bits", 0),))
+        elif keys is not None:
             shapes.append(tuple(keys.shape))
         else:
             shapes.append(tuple(tuple(a.shape) for a in getattr(layer, "cache", []) if a is not None))
@@ -125,8 +145,9 @@ class BatchRelease:
 
 
 class Batch:
-    def __init__(self, model, release, release_enabled: bool = True):
+    def __init__(self, model, release, release_enabled: bool = True, kv=None):
         self.model = model
+        self.kv = kv  # runner.kv_quant.KVQuantization (kv_bits), or None: the batch's cache is quantized as a whole
         self.rows: list = []  # sessions, in the cache's row order
         self.cache: list | None = None
         self.releases = BatchRelease(release, release_enabled)
@@ -147,12 +168,13 @@ class Batch:
         caches = []
         for session in sessions:
             caches.append(session.join_batch())
-        joined = merge(caches)
+        joined = merge(caches, self.kv)
         if self.cache is None:
             self.cache = joined
         else:
-            for layer, extra in zip(self.cache, joined):
-                layer.extend(extra)
+            for i, extra in enumerate(joined):
+                self.cache[i], extra = _alike(self.cache[i], extra, self.kv)
+                self.cache[i].extend(extra)
         self.rows += sessions
         mx.eval([layer.state for layer in self.cache])
         self.releases.changed()
@@ -219,6 +241,8 @@ class Batch:
         """One batched step: each row's next token, through its session. Returns (session, Round).
 
         The next step is queued before this one's tokens are read (caches that can be trimmed only)."""
+        if self.kv is not None:  # a float batch whose longest row passed quantized_kv_start (a queued step's
+            self.kv.apply(self.cache)  # position included: it is in the cache the step was built on)
         if self._ahead is None:
             inputs = mx.array([[s.pending] for s in self.rows], dtype=mx.uint32)
             self._ahead = self._forward(inputs)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 STEP = BatchKVCache.step  # a batched cache grows in steps of this many positions (256)
 
@@ -31,30 +31,47 @@ STEP = BatchKVCache.step  # a batched cache grows in steps of this many position
 class CacheCost:
     per_token: int  # bytes a row's caches take per position (layers whose buffers grow with the context)
     per_row: int  # bytes a row's caches take whatever its length (recurrent states)
+    # With kv_bits: bytes per position once the full-attention layers are quantized, and the length from which
+    # a batch is (runner.kv_quant: a batch is quantized as a whole once its longest row passes the start).
+    quantized_per_token: int | None = None
+    quantized_from: int = 0
 
     @classmethod
-    def measure(cls, model) -> CacheCost:
-        """Run one token through a fresh cache of ``model`` and read what its layers allocated."""
+    def measure(cls, model, kv=None) -> CacheCost:
+        """Run one token through a fresh cache of ``model`` and read what its layers allocated; ``kv``
+        (``runner.kv_quant.KVQuantization``): what its full-attention layers take quantized."""
         cache = make_prompt_cache(model)
         model(mx.array([[0]], dtype=mx.uint32), cache=cache)
         mx.eval([layer.state for layer in cache])
-        per_token = per_row = 0
+        per_token = per_row = quantized = 0
         for layer in cache:
             keys = getattr(layer, "keys", None)
             if keys is not None and keys.ndim == 4:  # KV layers: (batch, heads, positions, dim)
-                per_token += (keys.nbytes + layer.values.nbytes) // keys.shape[2]
+                float_bytes = (keys.nbytes + layer.values.nbytes) // keys.shape[2]
+                per_token += float_bytes
+                if kv is not None and type(layer) is KVCache:
+                    values = (keys.size + layer.values.size) // keys.shape[2]
+                    quantized += round(values * kv.value_bytes(keys.itemsize))
+                else:
+                    quantized += float_bytes
             else:
                 per_row += layer.nbytes
         del cache
         mx.clear_cache()
-        return cls(per_token, per_row)
+        if kv is None:
+            return cls(per_token, per_row)
+        return cls(per_token, per_row, quantized, kv.start)
 
     def batch(self, lengths: list[int]) -> int:
         """Bytes of one batch whose rows reach ``lengths`` tokens: every row as long as the longest."""
         if not lengths:
             return 0
-        positions = -(-max(lengths) // STEP) * STEP
-        return len(lengths) * (positions * self.per_token + self.per_row)
+        longest = max(lengths)
+        positions = -(-longest // STEP) * STEP
+        per_token = self.per_token
+        if self.quantized_per_token is not None and longest > self.quantized_from:
+            per_token = self.quantized_per_token
+        return len(lengths) * (positions * per_token + self.per_row)
 
 
 class BatchMemory:

@@ -167,7 +167,8 @@ class Engine:
         self.adapters, self._adapter_rows = with_adapters(target.model, folders) if folders else ([], None)
         self.adapter_names = tuple(adapter.name for adapter in self.adapters)
         self._adapted: dict[int, AdaptedModel] = {}  # adapter index -> the target as a session calls it
-        self.cache_cost = CacheCost.measure(target.model)  # what a request's cache costs, per token and per row
+        # What a request's cache costs, per token (quantized with kv_bits) and per row.
+        self.cache_cost = CacheCost.measure(target.model, self.kv)
         # Whether the target's caches can be trimmed back to a shorter prefix (not a sliding window's).
         self.trimmable = all(type(layer) is KVCache for layer in make_prompt_cache(target.model))
         self.drafters = self._available_drafters()

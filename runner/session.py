@@ -114,6 +114,7 @@ class Session:
     def prefilled_jointly(self, size: int) -> None:
         """``runner.batch.prefill_jointly`` put the last ``size`` tokens of its prompt in."""
         self.stats.prefill_chunks.append(size)
+        self._decoder.quantize_due()  # as its own prefill would have (kv_bits)
         self.prefilled = True
         self.stats.prefill_seconds = time.perf_counter() - self.start
 

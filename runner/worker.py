@@ -126,7 +126,7 @@ class MlxWorker:
         self._jobs: collections.deque[GenerationJob] = collections.deque()  # waiting, not yet admitted
         self._controls: collections.deque[tuple[callable, Future, tuple | None]] = collections.deque()
         self._active: list[GenerationJob] = []  # admitted: prefilling or decoding
-        self._batch = Batch(engine.target.model, engine.release_memory, engine.settings.release_enabled)
+        self._batch = Batch(engine.target.model, engine.release_memory, engine.settings.release_enabled, kv=engine.kv)
         self._batch.model = engine.batch_model(self._batch)  # each row with its request's LoRA adapter
         self._planner = engine.prefill_planner()  # its limits size the prefill passes requests share
         self.memory = BatchMemory(engine.cache_cost, engine.settings.batch_memory)
