@@ -12,7 +12,10 @@ in each API's shape, never a 5xx, and the runner that served them goes on with t
 from __future__ import annotations
 
 import base64
+import datetime
 import json
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +26,7 @@ import pytest
 
 from common.defaults import MINILM_DIR
 from tests.embedding_reference import NumpyBert, cosine
-from tests.processes import SupervisorProcess, model_toml
+from tests.processes import SupervisorProcess, model_toml, wait_until
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "embedding"
 RERANKER, QWEN3 = TINY / "reranker", TINY / "qwen3-embedding"
@@ -279,7 +282,7 @@ def test_grpc_rerank(sup):
     assert np.allclose(answer.scores, [reference.score("fruit", d) for d in DOCUMENTS[3:]], atol=1e-4)
 
 
-# -- the HTTP layer --------------------------------------------------------------------------------------------
+# -- the HTTP layer, restarts, keep-alive ----------------------------------------------------------------------
 
 
 def test_back_to_back_http_answers_wait_for_no_delayed_ack(sup):
@@ -302,6 +305,55 @@ def test_back_to_back_http_answers_wait_for_no_delayed_ack(sup):
                 client.request(method, base + path, json=body).raise_for_status()
                 times.append(time.perf_counter() - started)
             assert min(times) < 0.030, (path, sorted(times)[:5])
+
+
+def test_a_runner_killed_mid_request_is_restarted_and_the_request_answered(sup, reference):
+    """SIGKILL to the embedding runner while a request of 512 inputs (four calls of 128) is in it: the supervisor
+    restarts the runner and sends the calls again (embedding is idempotent); the client gets every vector, as the
+    reference computes it, and never sees the death."""
+    texts = [f"{SENTENCES[i % len(SENTENCES)]} ({i})" for i in range(512)]
+    victim = sup.client.model("minilm")
+    mark = len(sup.stderr)
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(lambda: sup.openai().embeddings.create(model="minilm", input=texts))
+        assert wait_until(lambda: sup.client.model("minilm").in_flight >= 1, 30)
+        time.sleep(0.3)
+        assert not answer.done()  # still in the runner: 512 inputs take seconds
+        os.kill(victim.pid, signal.SIGKILL)
+        vectors = [d.embedding for d in answer.result(timeout=180).data]
+    assert len(vectors) == 512
+    for i in (0, 1, 2, 3, 4, 5, 255, 511):
+        assert cosine(vectors[i], reference.embed(texts[i])) >= 0.9999, texts[i]
+    restarted = sup.client.model("minilm")
+    assert restarted.pid not in (0, victim.pid) and restarted.restarts == victim.restarts + 1
+    assert "runner went away under Embed" in sup.stderr[mark:]
+    one = sup.openai().embeddings.create(model="minilm", input=SENTENCES[0]).data[0].embedding
+    assert cosine(one, reference.embed(SENTENCES[0])) >= 0.9999
+
+
+def test_ollama_keep_alive_through_embed(sup, reference):
+    """/api/embed's keep_alive as Ollama's: a duration keeps the model that long (/api/ps's expires_at), 0 answers
+    and then unloads it, an empty input with 0 unloads without embedding, and a short one lets it go when idle."""
+    client, name = sup.ollama(), "minilm-mrl"
+
+    def loaded() -> bool:
+        return sup.client.model(name).pid != 0
+
+    def expires_in() -> float:
+        entry = next(m for m in client.ps().models if m.model.split(":")[0] == name)
+        return (entry.expires_at - datetime.datetime.now(datetime.UTC)).total_seconds()
+
+    answer = client.embed(model=name, input=SENTENCES[0], keep_alive="10m")
+    assert cosine(answer.embeddings[0], reference.embed(SENTENCES[0])) >= 0.9999
+    assert loaded() and 590 < expires_in() <= 600
+    answer = client.embed(model=name, input=SENTENCES[1], keep_alive=0)
+    assert cosine(answer.embeddings[0], reference.embed(SENTENCES[1])) >= 0.9999  # answered, then unloaded
+    assert wait_until(lambda: not loaded(), 10) and name not in [m.model.split(":")[0] for m in client.ps().models]
+    assert client.embed(model=name, input=[]).embeddings == [] and loaded()  # nothing to embed: loads it
+    assert client.embed(model=name, input=[], keep_alive=0).embeddings == []
+    assert wait_until(lambda: not loaded(), 10)
+    client.embed(model=name, input=SENTENCES[2], keep_alive="1s")
+    assert loaded() and wait_until(lambda: not loaded(), 15)  # idle past its keep_alive: unloaded
 
 
 # -- the wrong kind of model, hostile inputs ------------------------------------------------------------------
