@@ -124,9 +124,7 @@ async def _calls(supervisor, model: str, kind: str, method: str, parts: list, ti
             raise status_of(not_this_kind(model, has, asked))
         deadline = None if timeout is None or timeout > NO_DEADLINE else time.monotonic() + timeout
         answers = await asyncio.gather(*(_call(supervisor, model, method, part, deadline) for part in parts))
-        metrics.embedded_inputs.labels(model).inc(count)
-        metrics.embedded_tokens.labels(model).inc(sum(a.prompt_tokens for a in answers))
-        metrics.embed_seconds.labels(model).observe(time.perf_counter() - started)
+        metrics.embedded_request(model, count, sum(a.prompt_tokens for a in answers), time.perf_counter() - started)
         return answers
     except ServiceError as error:
         code = error.code.name

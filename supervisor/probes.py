@@ -113,7 +113,16 @@ class Metrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
         self.generated: dict[str, int] = {}  # model -> tokens relayed since start, counted as they go (top's rates)
+        self.embedded: dict[str, tuple[int, int, float]] = {}  # model -> (requests, inputs, seconds): top's
         self.last_acceptance: dict[str, float] = {}
+
+    def embedded_request(self, model: str, inputs: int, tokens: int, seconds: float) -> None:
+        """An Embed or Rerank request answered: its inputs, their tokens and its time, into the counters."""
+        self.embedded_inputs.labels(model).inc(inputs)
+        self.embedded_tokens.labels(model).inc(tokens)
+        self.embed_seconds.labels(model).observe(seconds)
+        requests, counted, total = self.embedded.get(model, (0, 0, 0.0))
+        self.embedded[model] = (requests + 1, counted + inputs, total + seconds)
 
     def finished(self, model: str, stats) -> None:
         """A generation's final figures (its GenerationStats) into the counters."""

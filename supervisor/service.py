@@ -316,6 +316,7 @@ class Supervisor:
                 current.uss,
             )
             sample.process_rss.extend(current.process_rss)
+        embedded = self.metrics.embedded.get(runner.name, (0, 0, 0.0))
         return supervisor_pb2.ModelStatus(
             name=runner.name,
             state=STATES[runner.state],
@@ -329,6 +330,9 @@ class Supervisor:
             in_flight=runner.in_flight,
             generated_tokens=self.metrics.generated.get(runner.name, 0),
             acceptance_rate=self.metrics.last_acceptance.get(runner.name, 0.0),
+            embed_requests=embedded[0],
+            embedded_inputs=embedded[1],
+            embed_seconds=embedded[2],
             loading_s=time.monotonic() - runner.starting_since if runner.starting_since is not None else 0.0,
             last_load_s=runner.last_load_s,
         )

@@ -3,8 +3,10 @@
 Each frame is one GetStatus call: per model its state, pid, memory (RSS against
 its soft and hard limits, MLX's active memory and pool), requests decoding and
 waiting in its runner, generated tokens per second (the supervisor's count of
-generated tokens, differenced between two frames), the last request's draft
-acceptance, the prompt cache's use and the restarts. On a terminal the frame is
+generated tokens, differenced between two frames), for an embedding or reranking
+model its inputs and Embed/Rerank requests per second and their mean time over the
+same interval, the last request's draft acceptance, the prompt cache's use and the
+restarts. On a terminal the frame is
 redrawn in place every ``--interval`` seconds until Ctrl-C; ``--once`` prints a
 single frame (two GetStatus calls a second apart, for the rate) and exits, for
 scripts and for output that is not a terminal.
@@ -29,6 +31,9 @@ COLUMNS = (
     ("RUN", 4),
     ("WAIT", 5),
     ("TOK/S", 7),
+    ("IN/S", 6),
+    ("REQ/S", 6),
+    ("LAT", 7),
     ("ACCEPT", 7),
     ("PROMPT CACHE", 22),
     ("RESTARTS", 8),
@@ -46,7 +51,19 @@ def size(value: int) -> str:
     return f"{value / 2**20:.0f}M"
 
 
-def row(model, rate: float | None) -> list[str]:
+def embedding_rates(model, before, elapsed: float) -> list[str]:
+    """IN/S, REQ/S and LAT of a model: its Embed and Rerank inputs and requests a second and their mean time
+    since ``before`` (the same model's earlier ModelStatus); "-" for a model never asked any, or with no earlier
+    reading (LAT: with no request in between)."""
+    if before is None or elapsed <= 0 or not model.embed_requests:
+        return ["-", "-", "-"]
+    requests = max(0, model.embed_requests - before.embed_requests)
+    inputs = max(0, model.embedded_inputs - before.embedded_inputs)
+    latency = f"{1e3 * (model.embed_seconds - before.embed_seconds) / requests:.0f}ms" if requests else "-"
+    return [f"{inputs / elapsed:.0f}", f"{requests / elapsed:.1f}", latency]
+
+
+def row(model, rate: float | None, embedding: list[str] = ("-", "-", "-")) -> list[str]:
     memory = model.memory
     cache = memory.prompt_cache
     serving = model.pid != 0
@@ -61,6 +78,7 @@ def row(model, rate: float | None) -> list[str]:
         str(memory.active_requests) if serving else "-",
         str(memory.queued) if serving else "-",
         "-" if rate is None or not serving else f"{rate:.0f}",
+        *embedding,
         f"{model.acceptance_rate:.2f}" if model.acceptance_rate else "-",
         f"{size(cache.bytes)}/{size(cache.budget)} {cache.entries}e {cache.hits}h" if cache.budget else "off",
         str(model.restarts),
@@ -69,19 +87,20 @@ def row(model, rate: float | None) -> list[str]:
 
 def frame(status, previous=None, elapsed: float = 0.0) -> str:
     """One screen: a header line and a row per model; ``previous`` (an earlier GetStatus) gives the rates."""
-    before = {m.name: m.generated_tokens for m in previous.models} if previous is not None else {}
+    before = {m.name: m for m in previous.models} if previous is not None else {}
     lines = [
         f"mlxserve {status.version}, supervisor pid {status.pid}, up {status.uptime_s:.0f} s, "
         f"{'ready' if status.ready else 'not ready'}, at most {status.max_loaded} models loaded"
-        f"  (RUN: requests decoding; WAIT: queued; MLX: active+pool)",
+        f"  (RUN: requests decoding; WAIT: queued; MLX: active+pool; IN/S, REQ/S, LAT: embedding or rerank inputs"
+        " and requests a second, their mean time)",
         "",
         " ".join(name.ljust(width) for name, width in COLUMNS).rstrip(),
     ]
     for model in status.models:
         rate = None
         if model.name in before and elapsed > 0:
-            rate = max(0, model.generated_tokens - before[model.name]) / elapsed
-        cells = row(model, rate)
+            rate = max(0, model.generated_tokens - before[model.name].generated_tokens) / elapsed
+        cells = row(model, rate, embedding_rates(model, before.get(model.name), elapsed))
         lines.append(" ".join(cell.ljust(width) for cell, (_, width) in zip(cells, COLUMNS)).rstrip())
     for pull in status.pulls:  # hub repositories being fetched
         share = f"{100 * pull.completed / pull.total:.0f}%" if pull.total else "starting"
