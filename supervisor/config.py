@@ -10,6 +10,7 @@
     gguf_cache_dir = "/var/cache/mlxserve/gguf"  # where .gguf targets are imported (default: ~/.cache/mlxserve/gguf)
     kernel_cache_dir = "/var/cache/mlxserve/kernels"  # MLX's compiled GPU kernels (default: ~/.cache/mlxserve/kernels)
     log_format = "text"               # or "json": one object per record, a runner's with its model and pid
+    web_page = true                   # the web page on http_listen's / (docs/web.md); false = the APIs alone
 
     [models.default]
     target = "models/default/target"  # an mlx-lm folder, or a .gguf file (imported once at start-up:
@@ -128,6 +129,7 @@ class SupervisorConfig:
     # runners get this folder, so a restart finds them compiled (docs/gpu.md).
     kernel_cache_dir: Path = field(default_factory=lambda: default_cache_dir("kernels"))
     log_format: str = "text"
+    web_page: bool = True  # the page at the HTTP API's / (supervisor/web_ui.py, docs/web.md)
     # Whether a request may name a hub repository that is not in the config (supervisor.hub): "never", "cached"
     # (one already in the hub cache is loaded with the default settings) or "any" (also pulled; and the APIs'
     # pulls are allowed).
@@ -428,6 +430,7 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
         kernel_cache_dir=kernel_cache_dir,
         log_format=log_format,
         pull=pull,
+        web_page=_take(data, "web_page", "", bool, True),
         **timings,
     )
     if data:

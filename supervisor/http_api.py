@@ -805,8 +805,10 @@ def create_app(supervisor) -> FastAPI:
 
         return EventStream(events(), generation, chunks)
 
-    from . import anthropic_api, embeddings_api, ollama_api, responses_api
+    from . import anthropic_api, embeddings_api, ollama_api, responses_api, web_ui
 
+    if supervisor.config.web_page:  # before Ollama's routes: a browser's GET / is the page, anyone else's Ollama's
+        web_ui.register(app, supervisor, authorized)
     embeddings_api.register(app, supervisor, authorized)
     anthropic_api.register(app, supervisor, authorized, until_done)
     ollama_api.register(app, supervisor, authorized, until_done)

@@ -104,6 +104,8 @@ class ManagedRunner:
         self.prompt_cache_budget: int | None = None  # set by the scheduler before each start
         self.batch_memory_budget: int | None = None  # likewise
         self.restarts = 0
+        self.last_failure = ""  # why it last restarted (died, hung, never came up, or the memory policy), when it has
+        self.last_failure_at = 0.0  # its wall-clock time
         self.starting_since: float | None = None  # monotonic time this start began, while STARTING
         self.last_load_s = 0.0  # spawn to SERVING, the last time it started
         self.failures = 0  # consecutive, reset after a stable period
@@ -182,6 +184,7 @@ class ManagedRunner:
             if self.state != State.SERVING:
                 return
             self._restart_reason = reason
+            self.last_failure, self.last_failure_at = f"restarted: {reason}", time.time()
             self._cond.notify_all()
         self._fail_calls(client_status, client_message, cancel=True)
 
@@ -228,6 +231,7 @@ class ManagedRunner:
                 continue
             # The runner died, hung or never came up.
             self.restarts += 1
+            self.last_failure, self.last_failure_at = outcome, time.time()
             if time.monotonic() - started > self.config.stable_after:
                 self.failures, backoff = 0, self.config.restart_backoff
             self.failures += 1
