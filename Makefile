@@ -10,7 +10,7 @@ WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
 DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 MLX_BACKEND ?= $(if $(DRIVER),$(if $(shell [ $(DRIVER) -ge 580 ] && echo y),cuda13,cuda12),cpu)
 
-.PHONY: install proto lint format test bench models reasoning-model real-model embedding-model vocabularies vision-model clients run clean
+.PHONY: install proto lint format test bench models reasoning-model real-model embedding-model vocabularies vision-model clients browser run clean
 
 install: $(VENV)/.installed
 
@@ -60,6 +60,12 @@ clients: .clients/.installed
 	npm install --silent --no-audit --no-fund --prefix .clients $(CLAUDE_CODE)
 	touch $@
 
+# Chromium from Debian's packages, which tests/test_web.py drives with Playwright (whose own browsers are never
+# downloaded: no `playwright install`). Installed when /usr/bin/chromium is missing (as root, else with sudo).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	@test -x /usr/bin/chromium || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
+
 # ruff: the linter and the formatter's check (make format rewrites).
 lint: install
 	$(BIN)/ruff check .
@@ -69,7 +75,7 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: install lint real-model embedding-model vocabularies vision-model clients
+test: install lint real-model embedding-model vocabularies vision-model clients browser
 	$(WITH_BLAS) $(BIN)/python -m pytest -q
 
 bench: install real-model vision-model embedding-model
