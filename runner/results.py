@@ -74,6 +74,21 @@ class Round:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # the first round, when asked
 
 
+def merged(first: Round, then: Round) -> Round:
+    """Two consecutive rounds of one request as one: what either emitted, in order; the second's end."""
+    return Round(
+        token_ids=first.token_ids + then.token_ids,
+        text=first.text + then.text,
+        drafted=first.drafted + then.drafted,
+        accepted=first.accepted + then.accepted,
+        finish_reason=then.finish_reason,
+        stats=then.stats,
+        logprobs=first.logprobs + then.logprobs,
+        stop_sequence=then.stop_sequence,
+        prompt_logprobs=first.prompt_logprobs + then.prompt_logprobs,
+    )
+
+
 def token_logprobs(tokenizer, logits: mx.array, tokens: list[int], top: int) -> list[TokenLogprob]:
     """Log-probabilities of ``tokens`` under the rows of ``logits`` that chose them (row i for token i),
     and the ``top`` most likely tokens of each row. The target's raw distribution: no temperature or filters."""

@@ -245,7 +245,7 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
         split = AnswerSplit(prepared, self.engine.tokenizer)
         first = True
         try:
-            for round_ in job.results():
+            for round_ in job.results(coalesce=True):
                 chunk = chunk_to_proto(round_, split)
                 if first:
                     chunk.prompt_tokens, first = len(prepared.prompt_ids), False

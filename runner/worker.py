@@ -38,7 +38,7 @@ from .batch_memory import BatchMemory
 from .engine import Engine
 from .prefill import joint_groups
 from .request import PreparedRequest
-from .results import Round
+from .results import Round, merged
 from .session import Session
 
 log = logging.getLogger("runner")
@@ -77,15 +77,31 @@ class GenerationJob:
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def results(self):
-        """Rounds as the MLX thread produces them; re-raises its error."""
+    def results(self, coalesce: bool = False):
+        """Rounds as the MLX thread produces them; re-raises its error. ``coalesce``: the rounds already waiting
+        when one is taken go with it as one (``runner.results.merged``), so a reader that falls behind - a
+        stream whose client, or the supervisor relaying it, is slower than the batch - sends fewer, larger
+        messages instead of a backlog of small ones."""
+        waiting = _NOTHING
         while True:
-            item = self.rounds.get()
+            item, waiting = (self.rounds.get() if waiting is _NOTHING else waiting), _NOTHING
             if item is None:
                 return
             if isinstance(item, BaseException):
                 raise item
+            while coalesce and item.finish_reason is None:
+                try:
+                    more = self.rounds.get_nowait()
+                except queue.Empty:
+                    break
+                if not isinstance(more, Round):  # the end, or an error: after this round
+                    waiting = more
+                    break
+                item = merged(item, more)
             yield item
+
+
+_NOTHING = object()
 
 
 class _Discard:

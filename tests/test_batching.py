@@ -364,3 +364,18 @@ def test_a_client_that_does_not_read_is_stopped_and_the_others_keep_going(engine
     finally:
         worker.stop(cancel_running=True)
         worker.join(10)
+
+
+def test_a_reader_that_falls_behind_gets_the_waiting_rounds_as_one(worker, batch_engine):
+    """The runner's stream coalesces (Job.results(coalesce=True)): rounds waiting when the reader comes back go
+    as one message - the same tokens and text, the last one's end and stats - not a backlog of small ones."""
+    expected, text, _ = alone(batch_engine, prompt=PROMPTS[1], max_tokens=40, drafter="none")
+    job = submit(worker, batch_engine, prompt=PROMPTS[1], max_tokens=40, drafter="none")
+    deadline = time.monotonic() + 120
+    while not (job.rounds.queue and job.rounds.queue[-1] is None) and time.monotonic() < deadline:
+        time.sleep(0.01)  # not reading: the answer's rounds wait in the job's queue
+    assert job.rounds.qsize() > 10
+    rounds = list(job.results(coalesce=True))
+    assert len(rounds) == 1
+    assert rounds[0].token_ids == expected and rounds[0].text == text
+    assert rounds[0].finish_reason == FinishReason.LENGTH and rounds[0].stats.generated_tokens == 40
