@@ -87,6 +87,12 @@ def page(browser, sup, request):
     opened.close()
 
 
+def ready(page) -> None:
+    """The page unlocked, with its model picked."""
+    page.wait_for_selector("#main:not([hidden])")
+    until(page, "document.querySelector('#model').value === 'smol'")
+
+
 def until(page, expression: str, timeout: float = 30) -> None:
     """Wait for a JavaScript expression to be true in the page, evaluated from outside (the page's policy forbids
     the eval that Playwright's own wait_for_function runs inside it)."""
@@ -132,12 +138,30 @@ def test_the_vendored_files_are_the_ones_named_with_their_versions_and_licences(
         assert version in (vendor / name).read_text()[:4000] or version in (vendor / name).read_text()[-4000:], name
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_web_page_turns_the_page_on_and_off(on):
+    """``web_page``: a browser's GET / is the page, or Ollama's answer as to any other client; /web/ is there or
+    not. (The app alone: its routes need nothing of the supervisor but its config.)"""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from supervisor.config import default_config
+    from supervisor.http_api import create_app
+
+    client = TestClient(create_app(SimpleNamespace(config=default_config(web_page=on))))
+    page = client.get("/", headers={"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"})
+    assert page.headers["content-type"].startswith("text/html" if on else "text/plain")
+    assert ("content-security-policy" in page.headers) == on
+    assert client.get("/", headers={"Accept": "*/*"}).text == "Ollama is running"
+    assert client.get("/web/app.js").status_code == (200 if on else 404)
+
+
 def test_the_page_loads_with_no_console_error_and_nothing_from_elsewhere(page, sup):
     assert page.response.status == 200
     policy = page.response.headers["content-security-policy"]
     assert "default-src 'none'" in policy and "script-src 'self'" in policy and "connect-src 'self'" in policy
-    page.page.wait_for_selector("#main:not([hidden])")
-    until(page.page, "document.querySelector('#model').value === 'smol'")
+    ready(page.page)
     assert page.page.locator("#model-list option[value='smol']").count() == 1
     page.page.click(".tab[data-view='runners']")
     page.page.wait_for_selector(".runner[data-model='smol'] path.series.rss", state="attached")
@@ -155,7 +179,7 @@ def test_the_page_loads_with_no_console_error_and_nothing_from_elsewhere(page, s
 
 def test_a_chat_streams_its_answer_token_by_token_and_keeps_it(page, sup):
     p = page.page
-    p.wait_for_selector("#main:not([hidden])")
+    ready(p)
     p.fill("#system", "You are a helpful assistant.")
     p.fill("#temperature", "0")
     p.fill("#max-tokens", "120")
@@ -193,7 +217,7 @@ def test_a_chat_streams_its_answer_token_by_token_and_keeps_it(page, sup):
 
 def test_stop_ends_the_request(page, sup):
     p = page.page
-    p.wait_for_selector("#main:not([hidden])")
+    ready(p)
     before = cancelled_requests(sup)
     p.fill("#max-tokens", "2000")
     p.fill("#prompt", "Count from 1 to 1000, one number a line.")
@@ -228,13 +252,27 @@ def test_a_models_markdown_with_script_and_img_onerror_does_nothing(browser, sup
         "messages": [
             {"role": "user", "content": "<img src=x onerror=\"window.pwned='user'\">"},
             {"role": "assistant", "model": "smol", "content": crafted},
+            {"role": "user", "content": "And the weather?"},
+            {
+                "role": "assistant",
+                "model": "smol",
+                "content": "",
+                "reasoning": "The user asks <b>the weather</b>: call the tool.",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "<img src=x onerror=alert(1)>"}'},
+                    }
+                ],
+            },
         ],
     }
     opened = Page(browser, sup, stored={"mlxserve.conversations": json.dumps([conversation])})
     try:
         p = opened.page
         p.wait_for_selector(".message.assistant .content h1")
-        content = p.locator(".message.assistant .content")
+        content = p.locator(".message.assistant .content").first
         # The Markdown was rendered (the same path a streamed answer takes) ...
         assert content.locator("h1").inner_text() == "Heading"
         assert content.locator("strong").inner_text() == "bold"
@@ -244,7 +282,16 @@ def test_a_models_markdown_with_script_and_img_onerror_does_nothing(browser, sup
         assert p.locator("#messages script, #messages img, #messages [onerror], #messages [onclick]").count() == 0
         hrefs = p.eval_on_selector_all("#messages a", "links => links.map(a => a.getAttribute('href') || '')")
         assert not [h for h in hrefs if h.lower().startswith("javascript")]
-        assert p.locator(".message.user .content").inner_text() == "<img src=x onerror=\"window.pwned='user'\">"
+        assert p.locator(".message.user .content").first.inner_text() == "<img src=x onerror=\"window.pwned='user'\">"
+        # Reasoning folded, tool calls shown, as text.
+        reasoning = p.locator(".message.assistant details.reasoning")
+        assert reasoning.count() == 1 and reasoning.get_attribute("open") is None
+        assert reasoning.locator(".reasoning-text").text_content() == "The user asks <b>the weather</b>: call the tool."
+        reasoning.locator("summary").click()
+        assert reasoning.locator(".reasoning-text").is_visible()
+        call = p.locator(".message.assistant .tool-call")
+        assert call.locator(".tool-name").inner_text() == "tool call: get_weather"
+        assert call.locator("pre").inner_text() == '{"city": "<img src=x onerror=alert(1)>"}'
         p.get_by_text("click me").click()
         p.get_by_text("a link").click()
         p.wait_for_timeout(300)
@@ -253,6 +300,27 @@ def test_a_models_markdown_with_script_and_img_onerror_does_nothing(browser, sup
         opened.shot("test_markdown")
     finally:
         opened.close()
+
+
+def test_an_attached_image_goes_to_the_model_as_an_image_url(page, tmp_path):
+    """SmolLM2 reads text only: the runner's refusal of the image shows the picture reached it, as OpenAI's
+    image_url part with a data: URL, and the page shows the refusal as the answer's error."""
+    from PIL import Image
+
+    picture = tmp_path / "red.png"
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(picture)
+    p = page.page
+    ready(p)
+    p.set_input_files("#image", str(picture))
+    p.wait_for_selector("#attachment:not([hidden])")
+    assert p.locator("#attachment-preview").get_attribute("src").startswith("data:image/png;base64,")
+    p.fill("#prompt", "What colour is this?")
+    p.click("#send")
+    p.wait_for_selector("#send:not([hidden])", timeout=30_000)
+    assert p.locator(".message.user img.attached").count() == 1
+    error = p.locator(".message.assistant").last.locator(".error").inner_text()
+    assert "does not take images" in error, error
+    assert p.locator("#attachment").is_hidden()
 
 
 def test_the_token_prompt_comes_first_and_the_apis_refuse_without_it(browser, sup):
@@ -275,7 +343,7 @@ def test_the_token_prompt_comes_first_and_the_apis_refuse_without_it(browser, su
         assert p.locator("#main").is_hidden()
         p.fill("#token-input", TOKEN)
         p.click("#token-submit")
-        p.wait_for_selector("#main:not([hidden])")
+        ready(p)
         assert p.locator("#token-dialog").is_hidden()
         assert p.evaluate("localStorage.getItem('mlxserve.token')") == TOKEN
         opened.shot("test_token_accepted")
@@ -293,7 +361,7 @@ BADGE = "(document.querySelector(\".runner[data-model='smol'] .badge\")?.innerTe
 
 def test_the_runners_view_follows_a_runner_killed_and_restarted(page, sup):
     p = page.page
-    p.wait_for_selector("#main:not([hidden])")
+    ready(p)
     p.click(".tab[data-view='runners']")
     card = p.locator(".runner[data-model='smol']")
     status = sup.client.model("smol")

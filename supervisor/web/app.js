@@ -79,9 +79,9 @@ async function start() {
     if (error instanceof Unauthorized) return;
     $("server").textContent = `status: ${error.message}`;
   }
-  unlock();
   loadConversations();
   await refreshModels();
+  unlock(); // once the models are listed: a message sent at once has its model
   showView(location.hash === "#runners" ? "runners" : "chat");
   startPolling(); // always: the runners' charts have their history when the view opens
 }
@@ -159,6 +159,7 @@ function loadConversations() {
   $("top-p").value = settings.top_p ?? "";
   $("max-tokens").value = settings.max_tokens ?? "";
   $("seed").value = settings.seed ?? "";
+  $("tools").value = settings.tools ?? "";
   $("model").value = settings.model || "";
   state.current = state.conversations[0] || newConversation();
   showConversation();
@@ -184,11 +185,12 @@ function saveSettings() {
     top_p: $("top-p").value,
     max_tokens: $("max-tokens").value,
     seed: $("seed").value,
+    tools: $("tools").value,
   };
   localStorage.setItem(SETTINGS_KEY, JSON.stringify(settings));
 }
 
-for (const id of ["model", "temperature", "top-p", "max-tokens", "seed"]) $(id).addEventListener("change", saveSettings);
+for (const id of ["model", "temperature", "top-p", "max-tokens", "seed", "tools"]) $(id).addEventListener("change", saveSettings);
 $("system").addEventListener("change", () => {
   state.current.system = $("system").value;
   saveConversations();
@@ -338,9 +340,9 @@ function apiMessages(conversation) {
   for (const m of conversation.messages) {
     if (m.role === "assistant") {
       if (m.error && !m.content && !m.tool_calls) continue;
-      const message = {role: "assistant", content: m.content || ""};
-      if (m.tool_calls && m.tool_calls.length) message.tool_calls = m.tool_calls;
-      out.push(message);
+      // The page runs no tool: an earlier call goes back as text, so the history needs no tool results.
+      const calls = (m.tool_calls || []).map((c) => `[called ${c.function?.name}(${c.function?.arguments})]`);
+      out.push({role: "assistant", content: [m.content || "", ...calls].filter(Boolean).join("\n")});
     } else if (m.image) {
       out.push({role: "user", content: [{type: "text", text: m.content || ""}, {type: "image_url", image_url: {url: m.image}}]});
     } else {
@@ -417,6 +419,16 @@ async function send() {
   if (topP !== undefined) body.top_p = topP;
   if (maxTokens !== undefined) body.max_tokens = maxTokens;
   if (seed !== undefined) body.seed = seed;
+  const tools = $("tools").value.trim();
+  if (tools) {
+    try {
+      body.tools = JSON.parse(tools);
+    } catch (e) {
+      $("model-note").textContent = `Tools: not JSON (${e.message})`;
+      conversation.messages.pop();
+      return;
+    }
+  }
   $("prompt").value = "";
   clearAttachment();
   const answer = {role: "assistant", model, content: "", reasoning: "", tool_calls: []};
