@@ -443,6 +443,7 @@ def test_a_megabyte_truncated_under_ollama_and_the_runner_still_serves(sup, refe
 
 def test_metrics_count_embeddings(sup):
     sup.openai().embeddings.create(model="minilm", input=["one", "two", "three"])
+    assert http(sup, "/v1/embeddings", {"model": "minilm", "input": [""]}).status_code == 400  # counted by its code
     status, text = sup.probe("/metrics")
     assert status == 200
     inputs = [line for line in text.splitlines() if line.startswith('mlxserve_embedded_inputs_total{model="minilm"}')]
