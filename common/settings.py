@@ -33,6 +33,7 @@ from .defaults import (
     DEFAULT_PROMPT_CACHE_DISK,
     DEFAULT_RELEASE_INTERVAL,
     DEFAULT_STALL_AFTER,
+    DEFAULT_STREAM_INTERVAL,
     DTYPES,
     MAX_NUM_DRAFT_TOKENS,
 )
@@ -337,6 +338,12 @@ class RunnerSettings:
         "rounds that may wait for a client that reads slowly; past them its request ends (RESOURCE_EXHAUSTED) and "
         "its row goes to others",
     )
+    stream_interval: float = setting(
+        DEFAULT_STREAM_INTERVAL,
+        "duration",
+        "while 8 or more requests decode, each stream sends what it has at most this often, several tokens a "
+        "message (fewer messages to relay at high concurrency); fewer requests get every token at once; 0 = off",
+    )
     stall_after: float = setting(
         DEFAULT_STALL_AFTER,
         "duration",
@@ -466,6 +473,8 @@ class RunnerSettings:
             raise SettingsError("max_queue", "must be >= 0")
         if self.max_pending_rounds < 1:
             raise SettingsError("max_pending_rounds", "must be >= 1")
+        if not 0 <= self.stream_interval <= 1:
+            raise SettingsError("stream_interval", "must be between 0 and 1 second")
         if self.max_batch < 1:
             raise SettingsError("max_batch", "must be at least 1")
         if self.stall_after <= 0:

@@ -211,8 +211,10 @@ def main(argv=None) -> int:
     try:
         if args.listen.startswith("unix:"):
             prepare_unix_socket(args.listen)
+        service = RunnerService(settings.name, settings.debug_rpcs)
+        service.stream_interval = settings.stream_interval
         server = RunnerServer(
-            RunnerService(settings.name, settings.debug_rpcs),
+            service,
             args.listen,
             settings.max_queue,
             settings.stall_after,

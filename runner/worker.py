@@ -77,11 +77,12 @@ class GenerationJob:
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def results(self, coalesce: bool = False):
+    def results(self, coalesce: bool = False, hold=None):
         """Rounds as the MLX thread produces them; re-raises its error. ``coalesce``: the rounds already waiting
         when one is taken go with it as one (``runner.results.merged``), so a reader that falls behind - a
         stream whose client, or the supervisor relaying it, is slower than the batch - sends fewer, larger
-        messages instead of a backlog of small ones."""
+        messages instead of a backlog of small ones. ``hold()``: seconds to gather more rounds after the first
+        (0: only those waiting already); the last round is never held."""
         waiting = _NOTHING
         while True:
             item, waiting = (self.rounds.get() if waiting is _NOTHING else waiting), _NOTHING
@@ -89,9 +90,11 @@ class GenerationJob:
                 return
             if isinstance(item, BaseException):
                 raise item
+            until = time.monotonic() + (hold() if coalesce and hold is not None else 0.0)
             while coalesce and item.finish_reason is None:
+                left = until - time.monotonic()
                 try:
-                    more = self.rounds.get_nowait()
+                    more = self.rounds.get(timeout=left) if left > 0 else self.rounds.get_nowait()
                 except queue.Empty:
                     break
                 if not isinstance(more, Round):  # the end, or an error: after this round

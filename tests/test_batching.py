@@ -379,3 +379,15 @@ def test_a_reader_that_falls_behind_gets_the_waiting_rounds_as_one(worker, batch
     assert len(rounds) == 1
     assert rounds[0].token_ids == expected and rounds[0].text == text
     assert rounds[0].finish_reason == FinishReason.LENGTH and rounds[0].stats.generated_tokens == 40
+
+
+def test_a_stream_that_holds_gathers_its_tokens_into_fewer_messages(worker, batch_engine):
+    """stream_interval (runner.server holds while many requests decode): a reader that gathers for a while after
+    each round reads several tokens a message - the answer unchanged, its end not held back."""
+    expected, text, _ = alone(batch_engine, prompt=PROMPTS[2], max_tokens=60, drafter="none")
+    job = submit(worker, batch_engine, prompt=PROMPTS[2], max_tokens=60, drafter="none")
+    started = time.monotonic()
+    rounds = list(job.results(coalesce=True, hold=lambda: 0.2))
+    assert len(rounds) < 30  # 20 tok/s or more: 4 or more a message; one a message without holding
+    assert [t for r in rounds for t in r.token_ids] == expected and "".join(r.text for r in rounds) == text
+    assert rounds[-1].finish_reason == FinishReason.LENGTH and time.monotonic() - started < 60

@@ -47,6 +47,7 @@ EVERY_SETTING_CHANGED = RunnerSettings(
     max_batch=3,
     max_pending_rounds=99,
     stall_after=12.5,
+    stream_interval=0.02,
     tool_format="pythonic",
     grace=3.0,
     debug_rpcs=True,
