@@ -40,7 +40,7 @@ from .defaults import (
 from .reasoning import FORMATS as REASONING_FORMATS
 from .tool_calls import FORMATS as TOOL_FORMATS
 
-DRAFTERS = ("model", "ngram", "none")
+DRAFTERS = ("model", "mtp", "ngram", "none")
 KV_BITS = (8, 4)  # what a quantized KV cache may take (runner/kv_quant.py)
 KV_GROUP_SIZES = (32, 64, 128)
 
@@ -234,8 +234,8 @@ class RunnerSettings:
     drafter: str = setting(
         "",
         "str",
-        'what drafts: "model" (the draft), "ngram" (lookup in the context) or '
-        '"none"; default: model when there is a draft, else ngram',
+        'what drafts: "model" (the draft), "mtp" (the target\'s own MTP layer), "ngram" (lookup in the context) or '
+        '"none"; default: model when there is a draft, else mtp where the target has MTP layers, else ngram',
     )
     num_draft_tokens: int | None = setting(
         None, "depth", '"auto": the depth is chosen round by round (runner/depth.py); a number pins it'

@@ -47,6 +47,7 @@ from .kv_quant import KVQuantization
 from .loading import LoadedModel, load_model
 from .malloc import malloc_trim
 from .mrope import PositionedModel, rope_delta
+from .mtp import HiddenModel, MTPDrafter
 from .penalties import Penalties
 from .platform import auto_dtype, device_name
 from .prefill import PrefillPlanner
@@ -240,12 +241,21 @@ class Engine:
             reasons["model"] = f"{self.draft.path.name}'s cache cannot be rewound ({self.draft.cache_description()})"
         else:
             reasons["model"] = why_not_target
+        if self.target.mtp is None:
+            reasons["mtp"] = f"{self.target.path.name} has no MTP layers (runner.mtp)"
+        elif self.adapters:
+            reasons["mtp"] = "not with LoRA adapters"
+        else:
+            reasons["mtp"] = why_not_target
         return reasons
 
     @property
     def wanted_drafter(self) -> str:
-        """The configured drafter, or the default one: the draft model when there is one, else n-gram."""
-        return self.settings.drafter or ("model" if self.draft is not None else "ngram")
+        """The configured drafter, or the default one: the draft model when there is one, else the target's MTP
+        layer where it has one, else n-gram."""
+        if self.settings.drafter:
+            return self.settings.drafter
+        return "model" if self.draft is not None else ("mtp" if self.target.mtp is not None else "ngram")
 
     def _default_drafter(self) -> str:
         wanted = self.wanted_drafter  # one of DRAFTERS: RunnerSettings checked it
@@ -266,11 +276,10 @@ class Engine:
             if self.settings.num_draft_tokens is not None
             else f"adaptive depth up to {self.settings.max_draft_tokens}"
         )
-        source = (
-            "draft model"
-            if self.default_drafter == "model"
-            else (f"n-gram lookup (n = {self.settings.ngram_max}..{self.settings.ngram_min})")
-        )
+        source = {
+            "model": "draft model",
+            "mtp": "the target's MTP layer",
+        }.get(self.default_drafter, f"n-gram lookup (n = {self.settings.ngram_max}..{self.settings.ngram_min})")
         return f"speculative: {source}, {depth}"
 
     @classmethod
@@ -513,6 +522,11 @@ class Engine:
                 (reuse.caches[1], reuse.tokens) if reuse.caches and len(reuse.caches) > 1 else (None, 0)
             )
             source = ModelDrafter(self.draft.model, draft_cache, draft_held)
+        elif drafter == "mtp":
+            source = MTPDrafter(self.target.model, self.target.mtp)
+            # The target as this request calls it: mlx-lm's inner model, then its head, the hidden states kept.
+            target = HiddenModel(self._request_model(prepared), source.hidden)
+            return SpeculativeDecoder(target, prepared.prompt_ids, prepared.params, key, source, depth, cache, held)
         else:
             context = seen.real_ids if seen is not None else prepared.prompt_ids
             source = NgramDrafter(context, self.settings.ngram_max, self.settings.ngram_min)

@@ -43,6 +43,7 @@ class LoadedModel:
     plain_attention: int = 0  # model modules whose small attentions run as plain ops (runner.attention)
     vision: object = None  # a model that sees: its runner.vision.Vision (model is then its language model)
     row_padding: str = ""  # whether one-row products run as two rows, and why (runner.row_padding)
+    mtp: object = None  # its own multi-token-prediction layer (runner.mtp), where the checkpoint has one
 
     @property
     def quantization(self) -> dict | None:
@@ -140,7 +141,7 @@ def load_model(
 
             model, tokenizer, config, vision = load_vision(path, dtype)
         else:
-            model, tokenizer, config = mlx_lm_load(str(path), return_config=True)
+            model, tokenizer, config = _load_text(path, mlx_lm_load)
         # transformers warns of "indexing errors" when a text tokenizes past model_max_length; the runner checks
         # each prompt against the context itself (a prompt too long is refused, or only counted), so say nothing.
         hf_tokenizer = getattr(tokenizer, "_tokenizer", None)
@@ -169,6 +170,38 @@ def load_model(
         else:
             padded = pad_single_rows(model) if row_padding else 0
             padding = f"{'on' if row_padding else 'off'}: asked"
+        mtp = None
+        if vision is None and group is None:
+            from .mtp import load_mtp
+
+            mtp = load_mtp(path, model, config, dtype)
     except Exception as error:  # noqa: BLE001 - any cause is reported with the folder
         raise ModelLoadError(path, f"{type(error).__name__}: {error}") from error
-    return LoadedModel(path, model, tokenizer, config, dtype, parameters, max_context, padded, plain, vision, padding)
+    return LoadedModel(
+        path, model, tokenizer, config, dtype, parameters, max_context, padded, plain, vision, padding, mtp
+    )
+
+
+def _load_text(path: Path, mlx_lm_load):
+    """mlx-lm's load; a checkpoint with MTP layers past ``num_hidden_layers`` (DeepSeek-V3 style) with them left
+    out of the target (mlx-lm's deepseek_v3 drops only DeepSeek-V3's own layer 61; runner.mtp reads them)."""
+    import json
+
+    from mlx_lm.utils import _get_classes
+
+    from .mtp import drop_mtp_layers
+
+    config = json.loads((path / "config.json").read_text())
+    try:
+        model_class, _ = _get_classes(config)
+    except Exception:  # noqa: BLE001 - mlx-lm's load reports an unknown architecture itself
+        model_class = None
+    sanitize = drop_mtp_layers(model_class, config) if model_class is not None else None
+    if sanitize is None:
+        return mlx_lm_load(str(path), return_config=True)
+    original = model_class.sanitize
+    model_class.sanitize = sanitize
+    try:
+        return mlx_lm_load(str(path), return_config=True)
+    finally:
+        model_class.sanitize = original
