@@ -10,7 +10,7 @@ WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
 DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 MLX_BACKEND ?= $(if $(DRIVER),$(if $(shell [ $(DRIVER) -ge 580 ] && echo y),cuda13,cuda12),cpu)
 
-.PHONY: install proto lint format test bench models reasoning-model real-model embedding-model vocabularies vision-model clients browser run clean
+.PHONY: install proto lint format test bench models reasoning-model real-model embedding-model vocabularies vision-model mtp-model clients browser run clean
 
 install: $(VENV)/.installed
 
@@ -52,6 +52,11 @@ vision-model: install real-model
 	$(BIN)/python models/train_vision_qwen3_5.py
 	$(BIN)/python models/train_vision_qwen3vl.py
 
+# A tiny DeepSeek-V3 and Qwen3.5 with random weights and their MTP layers as the checkpoints lay them out (SmolLM2's
+# tokenizer) into models/mtp, for issue #41's tests (seconds).
+mtp-model: install real-model
+	$(BIN)/python models/train_mtp.py
+
 # The clients the tests run that are not Python packages: Claude Code from npm, into .clients (outside git).
 CLAUDE_CODE := @anthropic-ai/claude-code@2.1.197
 clients: .clients/.installed
@@ -75,7 +80,7 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: install lint real-model embedding-model vocabularies vision-model clients browser
+test: install lint real-model embedding-model vocabularies vision-model mtp-model clients browser
 	$(WITH_BLAS) $(BIN)/python -m pytest -q
 
 bench: install real-model vision-model embedding-model

@@ -1,0 +1,123 @@
+"""A model's own MTP layers as the drafter (runner/mtp.py), on the tiny random-weight checkpoints of
+models/train_mtp.py (``make mtp-model``): DeepSeek-V3's layout (an extra ``model.layers.N``) and Qwen3.5's
+(``mtp.*``, on a hybrid target whose recurrent layers are restored and fed again after a rejection).
+
+Random weights: the drafts are rarely kept. These tests check loading, drafting and that the output is the target's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.footprint import ModelFootprint
+from common.requests import InvalidRequest
+from common.settings import RunnerSettings
+from runner.engine import Engine
+from runner.request import GenerationRequest
+from tests.helpers import collect, tiny_hybrid_model
+
+MTP_DIR = Path(__file__).resolve().parents[1] / "models" / "mtp"
+LAYOUTS = ("deepseek_v3", "qwen3_5")
+PROMPT = "The for statement is used to iterate over the elements of a sequence"
+TOKENS = 40
+
+pytestmark = pytest.mark.skipif(not (MTP_DIR / "qwen3_5").is_dir(), reason="make mtp-model")
+
+
+def greedy(engine, **fields):
+    tokens, _, last = collect(
+        engine.generate(
+            GenerationRequest(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, cache_prompt=False, **fields)
+        )
+    )
+    return tokens, last.stats
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def mtp_engine(request):
+    return Engine.load(MTP_DIR / request.param, settings=RunnerSettings(dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def plain(mtp_engine):
+    return greedy(mtp_engine, drafter="none")[0]
+
+
+def test_it_loads_with_its_mtp_layer_and_drafts_with_it_by_default(mtp_engine):
+    assert mtp_engine.target.mtp is not None
+    assert mtp_engine.drafters["mtp"] == ""
+    assert mtp_engine.default_drafter == "mtp" and mtp_engine.speculative
+    assert "MTP" in mtp_engine.speculative_note
+    _, stats = greedy(mtp_engine)
+    assert stats.drafter == "mtp" and stats.drafted > 0
+
+
+def test_the_memory_estimate_counts_the_mtp_weights(mtp_engine):
+    from mlx.utils import tree_flatten
+
+    footprint = ModelFootprint.of(mtp_engine.target.path)
+    mtp = sum(v.size for _, v in tree_flatten(mtp_engine.target.mtp.parameters()))
+    target = sum(v.size for _, v in tree_flatten(mtp_engine.target.model.parameters()))
+    assert footprint.parameters >= target + mtp
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_with_a_fixed_depth_equals_plain(mtp_engine, plain, k):
+    tokens, stats = greedy(mtp_engine, drafter="mtp", num_draft_tokens=k)
+    assert tokens == plain
+    assert stats.drafter == "mtp" and stats.drafted > 0 and max(stats.depths) <= k
+
+
+def test_greedy_with_the_adaptive_depth_equals_plain(mtp_engine, plain):
+    tokens, stats = greedy(mtp_engine, drafter="mtp")
+    assert tokens == plain
+    assert stats.drafted > 0
+
+
+def test_sampled_requests_draft_with_their_distributions(mtp_engine):
+    tokens, stats = greedy(mtp_engine, drafter="mtp", num_draft_tokens=2, temperature=0.8, seed=3)
+    again, _ = greedy(mtp_engine, drafter="mtp", num_draft_tokens=2, temperature=0.8, seed=3)
+    assert len(tokens) == TOKENS and tokens == again and stats.drafted > 0
+
+
+def test_a_model_without_mtp_layers_refuses_the_mtp_drafter(tmp_path):
+    folder = tiny_hybrid_model(tmp_path / "lfm2")
+    engine = Engine.load(folder, settings=RunnerSettings(dtype="float32"))
+    assert engine.target.mtp is None and engine.default_drafter == "ngram"
+    assert "no MTP layers" in engine.drafters["mtp"]
+    with pytest.raises(InvalidRequest, match="'mtp' is not available: .* has no MTP layers"):
+        greedy(engine, drafter="mtp")
+    pinned = Engine.load(folder, settings=RunnerSettings(dtype="float32", drafter="mtp"))
+    assert not pinned.speculative and "no MTP layers" in pinned.speculative_note
+
+
+def test_its_incremental_drafts_equal_drafts_from_scratch(mtp_engine, monkeypatch):
+    """The layer's cache, fed round by round (kept positions only, its chained steps trimmed, a hybrid target's
+    rewinds fed again), drafts what a fresh layer fed the target's hidden states of the whole context drafts."""
+    import mlx.core as mx
+
+    from runner.mtp import HiddenModel, MTPDrafter
+    from runner.sampling import SamplingParams
+
+    seen = []
+    propose = MTPDrafter.propose
+
+    def recording(self, context, k, params, key):
+        proposal = propose(self, context, k, params, key)
+        if proposal is not None:
+            seen.append((list(context), proposal.tokens.tolist()[0]))
+        return proposal
+
+    monkeypatch.setattr(MTPDrafter, "propose", recording)
+    greedy(mtp_engine, drafter="mtp", num_draft_tokens=3)
+    monkeypatch.undo()
+    assert len(seen) > 10
+    target = mtp_engine.target
+    for context, first in seen[:: max(1, len(seen) // 6)]:
+        fresh = MTPDrafter(target.model, target.mtp)
+        model = HiddenModel(target.model, fresh.hidden)
+        model(mx.array(context[:-1])[None], cache=model.make_cache())
+        again = fresh.propose(context, 1, SamplingParams(), None)
+        assert again.tokens.tolist()[0] == first
