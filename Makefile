@@ -53,7 +53,8 @@ vision-model: install real-model
 	$(BIN)/python models/train_vision_qwen3vl.py
 
 # A tiny DeepSeek-V3 and Qwen3.5 with random weights and their MTP layers as the checkpoints lay them out (SmolLM2's
-# tokenizer) into models/mtp, for issue #41's tests (seconds).
+# tokenizer) into models/mtp, each also with its MTP layer trained on one answer of its own, for issue #41's tests
+# (under a minute).
 mtp-model: install real-model
 	$(BIN)/python models/train_mtp.py
 

@@ -16,7 +16,10 @@ Writes, under ``models/mtp/`` by default, SmolLM2's tokenizer (49152 tokens) and
   decoder layer), ``mtp.norm`` (config ``mtp_num_hidden_layers`` 1).
 
 Random weights: the MTP layers' drafts are rarely right. They check loading, drafting, caches and rewinds; they say
-nothing about a real model's acceptance. Runs on the CPU in seconds.
+nothing about a real model's acceptance. So each also gets a ``*_trained`` copy whose MTP layer was trained here
+(60 steps, the target frozen) on the target's own greedy answer to tests/test_mtp.py's prompt: there its drafts are
+kept, so the tests see accepted drafts too (an overfit layer: nothing about acceptance elsewhere either). Runs on
+the CPU in under a minute.
 """
 
 from __future__ import annotations
@@ -230,6 +233,68 @@ def verify(out: Path) -> None:
         print(f"{name}: MTP drafts {proposal.tokens.tolist()} after {prompt}")
 
 
+TRAIN_PROMPT = "The for statement is used to iterate over the elements of a sequence"  # tests/test_mtp.py's
+TRAIN_TOKENS = 64
+TRAIN_STEPS = 60
+
+
+def mtp_tensors(name: str, mtp, config: dict) -> dict:
+    """An MTP module's weights as the checkpoint names them."""
+    flat = dict(tree_flatten(mtp.parameters()))
+    if name == "qwen3_5":
+        return {f"mtp.{k}": v for k, v in flat.items()}
+    prefix = f"model.layers.{config['num_hidden_layers']}"
+    return hf_layer(prefix, {f"{prefix}.{k.removeprefix('layer.')}": v for k, v in flat.items()}, config)
+
+
+def train(out: Path, name: str) -> None:
+    """``{name}_trained``: the same target, its MTP layer trained (the target frozen) to predict token i+2 of the
+    target's own greedy answer to TRAIN_PROMPT from (h_i, token i+1): a layer whose drafts are mostly kept there,
+    so that the tests see accepted drafts (random weights keep none). Seconds on the CPU."""
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    from common.settings import RunnerSettings
+    from runner.engine import Engine
+    from runner.mtp import HiddenModel, MTPDrafter
+    from runner.request import GenerationRequest
+
+    engine = Engine.load(out / name, settings=RunnerSettings(dtype="float32", drafter="none"))
+    request = GenerationRequest(prompt=TRAIN_PROMPT, max_tokens=TRAIN_TOKENS, ignore_eos=True, cache_prompt=False)
+    prompt = engine.prepare(request).prompt_ids
+    answer = [t for r in engine.generate(request) for t in r.token_ids]
+    sequence = list(prompt) + answer
+    target, mtp = engine.target.model, engine.target.mtp
+    drafter = MTPDrafter(target, mtp)
+    model = HiddenModel(target, drafter.hidden)
+    model(mx.array(sequence[:-1])[None], cache=model.make_cache())
+    hidden = mx.stop_gradient(mx.concatenate([drafter.hidden[i] for i in range(len(sequence) - 2)], axis=1))
+    following = mx.array(sequence[1:-1])[None]
+    labels = mx.array(sequence[2:])[None]
+
+    def loss_fn(module):
+        x = module.decode(module.project(drafter.embed(following), hidden), None)
+        logits = drafter.head(module.final_norm(x))
+        return nn.losses.cross_entropy(logits, labels).mean()
+
+    optimizer = optim.Adam(learning_rate=1e-2)
+    step = nn.value_and_grad(mtp, loss_fn)
+    for i in range(TRAIN_STEPS):
+        loss, grads = step(mtp)
+        optimizer.update(mtp, grads)
+        mx.eval(mtp.parameters(), optimizer.state)
+    print(f"{name}: MTP layer trained {TRAIN_STEPS} steps on {len(sequence)} tokens, loss {loss.item():.3f}")
+    config = json.loads((out / name / "config.json").read_text())
+    weights = mx.load(str(out / name / "model.safetensors"))
+    ours = mtp_tensors(name, mtp, config)
+    kept = {k: v for k, v in weights.items() if k not in ours}
+    assert len(kept) + len(ours) == len(weights), "the trained layer's names differ from the checkpoint's"
+    trained = out / f"{name}_trained"
+    shutil.copytree(out / name, trained)
+    layout = "mlx" if name == "qwen3_5" else "pt"
+    mx.save_safetensors(str(trained / "model.safetensors"), {**kept, **ours}, metadata={"format": layout})
+
+
 if __name__ == "__main__":
     started = time.perf_counter()
     mx.random.seed(SEED)
@@ -238,4 +303,6 @@ if __name__ == "__main__":
     build_deepseek(OUT / "deepseek_v3")
     build_qwen(OUT / "qwen3_5")
     verify(OUT)
+    train(OUT, "deepseek_v3")
+    train(OUT, "qwen3_5")
     print(f"done in {time.perf_counter() - started:.1f} s")

@@ -3,6 +3,8 @@ models/train_mtp.py (``make mtp-model``): DeepSeek-V3's layout (an extra ``model
 (``mtp.*``, on a hybrid target whose recurrent layers are restored and fed again after a rejection).
 
 Random weights: the drafts are rarely kept. These tests check loading, drafting and that the output is the target's.
+The ``*_trained`` copies' MTP layers learnt the target's answer to PROMPT: there their drafts are kept, which
+checks the rounds that keep drafts (an overfit layer: it says nothing about a real model's acceptance).
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ def test_a_model_without_mtp_layers_refuses_the_mtp_drafter(tmp_path):
 def test_its_incremental_drafts_equal_drafts_from_scratch(mtp_engine, monkeypatch):
     """The layer's cache, fed round by round (kept positions only, its chained steps trimmed, a hybrid target's
     rewinds fed again), drafts what a fresh layer fed the target's hidden states of the whole context drafts."""
+    incremental_equals_scratch(mtp_engine, monkeypatch)
+
+
+def incremental_equals_scratch(mtp_engine, monkeypatch):
     import mlx.core as mx
 
     from runner.mtp import HiddenModel, MTPDrafter
@@ -113,7 +119,7 @@ def test_its_incremental_drafts_equal_drafts_from_scratch(mtp_engine, monkeypatc
     monkeypatch.setattr(MTPDrafter, "propose", recording)
     greedy(mtp_engine, drafter="mtp", num_draft_tokens=3)
     monkeypatch.undo()
-    assert len(seen) > 10
+    assert len(seen) >= 5
     target = mtp_engine.target
     for context, first in seen[:: max(1, len(seen) // 6)]:
         fresh = MTPDrafter(target.model, target.mtp)
@@ -121,3 +127,23 @@ def test_its_incremental_drafts_equal_drafts_from_scratch(mtp_engine, monkeypatc
         model(mx.array(context[:-1])[None], cache=model.make_cache())
         again = fresh.propose(context, 1, SamplingParams(), None)
         assert again.tokens.tolist()[0] == first
+
+
+@pytest.fixture(scope="module", params=[f"{layout}_trained" for layout in LAYOUTS])
+def trained(request):
+    engine = Engine.load(MTP_DIR / request.param, settings=RunnerSettings(dtype="float32"))
+    return engine, greedy(engine, drafter="none")[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, None])
+def test_a_layer_that_predicts_well_has_its_drafts_kept(trained, k):
+    engine, plain = trained
+    tokens, stats = greedy(engine, drafter="mtp", num_draft_tokens=k)
+    assert tokens == plain
+    assert stats.drafted > 0 and stats.accepted >= 0.8 * stats.drafted
+    if k is not None:
+        assert stats.rounds < TOKENS  # rounds that kept drafts emitted several tokens
+
+
+def test_its_incremental_drafts_equal_drafts_from_scratch_when_drafts_are_kept(trained, monkeypatch):
+    incremental_equals_scratch(trained[0], monkeypatch)
