@@ -147,3 +147,16 @@ def test_a_layer_that_predicts_well_has_its_drafts_kept(trained, k):
 
 def test_its_incremental_drafts_equal_drafts_from_scratch_when_drafts_are_kept(trained, monkeypatch):
     incremental_equals_scratch(trained[0], monkeypatch)
+
+
+def test_after_a_prompt_cache_hit_it_drafts_from_what_the_target_runs(trained):
+    """A hit's prefix never runs through the target in this request, so the layer has no hidden states for it: it
+    drafts from the positions after it, and the output is still the target's."""
+    engine, plain = trained
+    if not engine.trimmable:
+        pytest.skip("the same prompt again is no prompt-cache hit on this hybrid target")
+    fields = dict(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, drafter="mtp", num_draft_tokens=2)
+    collect(engine.generate(GenerationRequest(**fields)))
+    tokens, _, last = collect(engine.generate(GenerationRequest(**fields)))
+    assert last.stats.cached_tokens > 0
+    assert tokens == plain and last.stats.drafted > 0 and last.stats.accepted > 0
