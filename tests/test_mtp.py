@@ -160,3 +160,47 @@ def test_after_a_prompt_cache_hit_it_drafts_from_what_the_target_runs(trained):
     tokens, _, last = collect(engine.generate(GenerationRequest(**fields)))
     assert last.stats.cached_tokens > 0
     assert tokens == plain and last.stats.drafted > 0 and last.stats.accepted > 0
+
+
+@pytest.mark.parametrize(
+    "grammar", ['{"regex": "(for|while) [a-z]{2,8}( [a-z]{2,8}){0,3}\\\\."}', '{"json_object": true}']
+)
+def test_under_a_grammar_greedy_equals_plain(trained, grammar):
+    """Constrained rounds: forced tokens go in as certain drafts, the MTP layer's drafts are cut at the first one the
+    grammar forbids; the hidden states of every kept position still reach the layer."""
+    engine = trained[0]
+    fields = dict(prompt=PROMPT, max_tokens=48, cache_prompt=False, grammar=grammar)
+    expected = collect(engine.generate(GenerationRequest(**fields, drafter="none")))[0]
+    for k in (1, 3):
+        tokens, _, last = collect(engine.generate(GenerationRequest(**fields, drafter="mtp", num_draft_tokens=k)))
+        assert tokens == expected and last.stats.drafter == "mtp" and last.stats.drafted > 0
+
+
+def test_batched_requests_equal_their_answers_alone(trained):
+    """Requests decoded together run through the target's batch, not through their HiddenModel: the layer misses
+    those positions (drafts get worse), the output does not change."""
+    from runner.worker import MlxWorker
+
+    engine, plain = trained
+    prompts = [PROMPT, "A class definition defines a class object", PROMPT]
+    alone = [
+        collect(engine.generate(GenerationRequest(prompt=p, max_tokens=TOKENS, ignore_eos=True, cache_prompt=False)))[0]
+        for p in prompts
+    ]
+    assert alone[0] == plain
+    worker = MlxWorker(engine, max_queue=8, max_batch=4)
+    worker.start()
+    try:
+        steps = worker.batched_steps
+        jobs = [
+            worker.submit(
+                engine.prepare(GenerationRequest(prompt=p, max_tokens=TOKENS, ignore_eos=True, cache_prompt=False))
+            )
+            for p in prompts
+        ]
+        got = [[t for r in job.results() for t in r.token_ids] for job in jobs]
+        assert worker.batched_steps > steps
+    finally:
+        worker.stop(cancel_running=True)
+        worker.join(10)
+    assert got == alone
