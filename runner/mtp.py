@@ -276,7 +276,7 @@ class MTPDrafter:
             del self.hidden[i]
         self.held = last
         tokens, probs = [], []
-        for step, step_key in enumerate(mx.random.split(key, k) if key is not None else [None] * k):
+        for step_key in mx.random.split(key, k) if key is not None else [None] * k:
             x = self.mtp.decode(self.mtp.project(self.embed(following), hidden), self.cache)
             hidden = x[:, -1:]
             logits = self.head(self.mtp.final_norm(hidden))[0, -1]
