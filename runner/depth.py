@@ -51,7 +51,15 @@ the OS delays looks slow. So a round counts for at most ``SPIKE`` times its
 depth's average (one late round does not make a depth look slow for the many
 rounds until it is tried again), and the best depth changes only to one
 expected to be at least ``MARGIN`` faster (no flapping between two depths
-that are about as good). Greedy output does not depend on
+that are about as good). A round that goes from plain decoding to drafting, or
+back, is not timed: it pays for the pipeline (a plain round after a drafted one
+starts it, a drafted round after plain ones first reads the token queued), which
+the depth's own rounds do not. Timed, an isolated plain round on the pair took
+9-14 ms against 6-7 ms in a run of them, and plain decoding looked slower than
+it is. So a probe across that line runs two rounds, and only the second is
+timed - but a probe from plain decoding whose draft was not kept stops after
+one (at no depth could it pay), so where drafting does not pay, probing costs
+what it did. Greedy output does not depend on
 the depth; a seeded sampling request pins k instead, so that its samples do
 not depend on timing.
 """
@@ -111,6 +119,8 @@ class DepthController:
         self.rounds = 0
         self.runner: DepthController | None = None  # for a request's controller (for_request): its runner's
         self._probe_up = True
+        self._previous: int | None = None  # the depth of the last round recorded
+        self._again: int | None = None  # a probe's depth, for its second round (the one that is timed)
         self.histogram: collections.Counter[int] = collections.Counter()
 
     @property
@@ -213,19 +223,28 @@ class DepthController:
             return 0 if 0 not in self.seconds else self.start
         if best != self._last_best:  # the best depth moved: look around it at the base rate again
             self._last_best, self.interval = best, self.probe_every
+        if self._again is not None:  # a probe's second round: the first paid for the change of depth
+            again, self._again = self._again, None
+            return again
         self._since_probe += 1
         if self._since_probe >= self.interval:
             self._since_probe = 0
             self._probe_up = not self._probe_up
             up, down = min(best + 1, self.max_depth), max(best - 1, 0)
             self._probed_from = best
-            return up if (self._probe_up and up != best) or down == best else down
+            probe = up if (self._probe_up and up != best) or down == best else down
+            if (probe == 0) != (best == 0):  # between plain and drafting: its first round is not timed
+                self._again = probe
+            return probe
         return best
 
     def record(self, drafted: int, accepted: int, seconds: float | None) -> None:
         """A round drafted ``drafted`` tokens (its depth), kept ``accepted`` and took ``seconds`` (None: not
         timed, e.g. a request's first round, which carries one-off costs)."""
         self.histogram[drafted] += 1
+        if self._previous is not None and (drafted == 0) != (self._previous == 0):
+            seconds = None  # from plain decoding to drafting or back: the round pays for restarting the pipeline
+        self._previous = drafted
         w = self.smoothing
         reached = min(drafted, accepted + 1)  # positions the verification reached
         for i in range(reached):
@@ -243,7 +262,9 @@ class DepthController:
             else:
                 self.seconds[drafted] = previous + w * (min(seconds, SPIKE * previous) - previous)
             self.timed_at[drafted] = self.clock
-        if self._probed_from is not None:
+        if self._again and accepted == 0:  # a probe from plain decoding whose draft was not kept: no second
+            self._again = None  # round (nothing at that depth could beat plain decoding without its drafts)
+        if self._probed_from is not None and self._again is None:  # after a probe's last round
             if self.best() == self._probed_from > 0:  # the probe lost: wait longer before the next one
                 self.interval = min(2 * self.interval, self.max_probe_every)
             self._probed_from = None
