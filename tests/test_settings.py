@@ -101,7 +101,7 @@ def test_a_config_table_gives_the_same_settings_and_keeps_other_keys():
         ({"max_batch": "4"}, "max_batch", "expected int, got str"),
         ({"ngram_min": 5}, "ngram_min", "at most ngram_max"),
         ({"drafter": "model"}, "drafter", "needs a draft"),
-        ({"drafter": "oracle"}, "drafter", "is not one of model, ngram, none"),
+        ({"drafter": "oracle"}, "drafter", "is not one of model, mtp, ngram, none"),
         ({"dtype": "int3"}, "dtype", "is not one of"),
         ({"prompt_cache": "lots"}, "prompt_cache", "is not a size"),
         ({"stall_after": "soon"}, "stall_after", "is not a duration"),
