@@ -116,7 +116,6 @@ class DepthController:
         # What a typical request on this runner keeps at each position (None: no request reached it yet); a
         # request's controller holds its runner's as it was when the request began.
         self.profile: list[float | None] = [PRIOR_ACCEPTANCE] + [None] * (max_depth - 1)
-        self.reached = 0  # how many positions some round's verification has reached
         self.seconds: dict[int, float] = {}  # depth -> a round's seconds: the median of its recent rounds
         self.samples: dict[int, collections.deque] = {}  # depth -> its last SAMPLES round times
         self.timed_at: dict[int, int] = {}  # depth -> the round it was last timed in
@@ -146,12 +145,11 @@ class DepthController:
             out.append((kept + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT))
         return out
 
-    def expected_acceptance(self, i: int) -> float:
-        return self.acceptance[i]
-
-    def expected_tokens(self, depth: int) -> float:
+    def expected_tokens(self, depth: int, acceptance: list[float] | None = None) -> float:
+        """E(depth), from ``acceptance`` (``self.acceptance`` when not given: a caller comparing depths passes it
+        once)."""
         total, kept = 1.0, 1.0
-        for a in self.acceptance[:depth]:
+        for a in (self.acceptance if acceptance is None else acceptance)[:depth]:
             kept *= a
             total += kept
         return total
@@ -173,10 +171,10 @@ class DepthController:
         line = mean_t + slope * (depth - mean_k)
         return max(line, self.seconds[deepest]) if deepest is not None else line
 
-    def rate(self, depth: int) -> float:
+    def rate(self, depth: int, acceptance: list[float] | None = None) -> float:
         """Expected tokens per second at ``depth`` (0 when its time is unknown)."""
         seconds = self.predicted_seconds(depth)
-        return self.expected_tokens(depth) / seconds if seconds else 0.0
+        return self.expected_tokens(depth, acceptance) / seconds if seconds else 0.0
 
     def best(self) -> int:
         if not self.seconds:
@@ -184,9 +182,10 @@ class DepthController:
         candidates = set(self.seconds)
         if len(self.seconds) >= 2:
             candidates.add(min(max(self.seconds) + 1, self.max_depth))  # one deeper than the deepest timed
-        leader = max(sorted(candidates), key=self.rate)
+        acceptance = self.acceptance  # once for every candidate
+        leader = max(sorted(candidates), key=lambda depth: self.rate(depth, acceptance))
         held = self._last_best
-        if held in self.seconds and self.rate(leader) <= (1 + MARGIN) * self.rate(held):
+        if held in self.seconds and self.rate(leader, acceptance) <= (1 + MARGIN) * self.rate(held, acceptance):
             return held
         return leader
 
@@ -206,11 +205,10 @@ class DepthController:
         runner, self.runner = self.runner, None
         if runner is None:
             return
-        for i, a in enumerate(self.acceptance[: self.reached]):
+        for i, a in enumerate(self.acceptance):
             if self.seen[i] >= 1.0:  # evidence of its own, not only its prior
                 was = runner.profile[i]
                 runner.profile[i] = a if was is None else was + REQUEST_SMOOTHING * (a - was)
-        runner.reached = max(runner.reached, self.reached)
 
     @property
     def clock(self) -> int:
@@ -255,7 +253,6 @@ class DepthController:
         for i in range(reached):
             self.seen[i] = (1 - w) * self.seen[i] + 1.0
             self.kept[i] = (1 - w) * self.kept[i] + (1.0 if i < accepted else 0.0)
-        self.reached = max(self.reached, reached)
         if seconds is not None:
             samples = self.samples.setdefault(drafted, collections.deque(maxlen=SAMPLES))
             if samples and self.clock - self.timed_at.get(drafted, 0) > self.max_probe_every:

@@ -369,7 +369,7 @@ def test_a_probe_from_plain_decoding_runs_twice_only_when_its_draft_was_kept():
     for kept, rounds in ((0, 1), (1, 2)):
         controller = DepthController(max_depth=2, probe_every=5, max_probe_every=5)
         controller.seconds.update(times)
-        controller.reached, controller.profile[0] = 1, 0.02  # drafts seldom kept: plain decoding is best
+        controller.profile[0] = 0.02  # drafts seldom kept: plain decoding is best
         chosen = []
         for _ in range(6):
             k = controller.choose()
