@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from common.defaults import DEFAULT_DRAFT
@@ -18,6 +21,31 @@ def collect(rounds):
         tokens += last.token_ids
         text += last.text
     return tokens, text, last
+
+
+class Peak:
+    """The most requests a worker decoded at once (``most``), read while ``most_active`` watched."""
+
+    most = 0
+
+
+@contextmanager
+def most_active(worker):
+    """Watch ``worker.active`` every millisecond while the block runs; the ``Peak`` it yields holds the most."""
+    peak, done = Peak(), threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak.most = max(peak.most, worker.active)
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        watcher.join()
 
 
 def draft_with_swapped_vocabulary(folder):

@@ -21,7 +21,7 @@ from runner.engine import Engine
 from runner.prefill import PrefillPlanner, joint_groups
 from runner.request import GenerationRequest
 from runner.worker import MlxWorker
-from tests.helpers import collect
+from tests.helpers import collect, most_active
 
 PROMPTS = (
     "The for statement is used to iterate over the elements of a sequence",
@@ -279,26 +279,14 @@ def test_requests_wait_while_their_caches_would_not_fit_next_to_the_others(batch
     )
     worker = MlxWorker(engine, max_queue=8, max_batch=8)
     worker.start()
-    most, done = 0, threading.Event()
-
-    def watch():
-        nonlocal most
-        while not done.is_set():
-            most = max(most, worker.active)
-            time.sleep(0.001)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     try:
         expected = [alone(batch_engine, prompt=p, max_tokens=60, drafter="none")[0] for p in PROMPTS[:4]]
-        jobs = [submit(worker, engine, prompt=p, max_tokens=60) for p in PROMPTS[:4]]  # each fits in 256 positions
-        got = [results(job) for job in jobs]
-        done.set()
-        watcher.join()
-        assert most == 2 and worker.batched_steps > 60
+        with most_active(worker) as peak:
+            jobs = [submit(worker, engine, prompt=p, max_tokens=60) for p in PROMPTS[:4]]  # each fits in 256 positions
+            got = [results(job) for job in jobs]
+        assert peak.most == 2 and worker.batched_steps > 60
         assert [g[0] for g in got] == expected
     finally:
-        done.set()
         worker.stop(cancel_running=True)
         worker.join(10)
 

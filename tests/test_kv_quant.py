@@ -7,8 +7,6 @@ cannot take."""
 
 from __future__ import annotations
 
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -23,6 +21,7 @@ from runner.engine import Engine
 from runner.kv_quant import BatchQuantizedKVCache, KVQuantization
 from runner.request import GenerationRequest
 from runner.worker import MlxWorker
+from tests.helpers import most_active
 from tests.processes import RunnerProcess
 
 PROMPT = "The for statement is used to iterate over"
@@ -193,29 +192,17 @@ def test_quantized_requests_decode_in_batches_with_their_tokens_alone_and_more_f
     expected = [tokens_of(engines[8], p, n, drafter="none", cache_prompt=False)[0] for p, n in zip(prompts, lengths)]
     worker = MlxWorker(engine, max_queue=8, max_batch=8)
     worker.start()
-    most, done = 0, threading.Event()
-
-    def watch():
-        nonlocal most
-        while not done.is_set():
-            most = max(most, worker.active)
-            time.sleep(0.001)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     try:
-        jobs = [
-            worker.submit(
-                engine.prepare(GenerationRequest(prompt=p, max_tokens=n, ignore_eos=True, cache_prompt=False))
-            )
-            for p, n in zip(prompts, lengths)
-        ]
-        got = [[t for r in job.results() for t in r.token_ids] for job in jobs]
-        done.set()
-        watcher.join()
-        assert most >= 4 and worker.batched_steps > 40
+        with most_active(worker) as peak:
+            jobs = [
+                worker.submit(
+                    engine.prepare(GenerationRequest(prompt=p, max_tokens=n, ignore_eos=True, cache_prompt=False))
+                )
+                for p, n in zip(prompts, lengths)
+            ]
+            got = [[t for r in job.results() for t in r.token_ids] for job in jobs]
+        assert peak.most >= 4 and worker.batched_steps > 40
         assert got == expected
     finally:
-        done.set()
         worker.stop(cancel_running=True)
         worker.join(10)
