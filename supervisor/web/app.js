@@ -39,6 +39,22 @@ async function api(path, options = {}) {
   return response;
 }
 
+// A streamed answer's pieces as they come, split at ``separator`` ("\n\n": server-sent events, "\n": JSON lines):
+// one array per read of the body, the unfinished rest kept for the next.
+async function* streamPieces(response, separator) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, {stream: true});
+    const pieces = buffer.split(separator);
+    buffer = pieces.pop();
+    yield pieces;
+  }
+}
+
 async function errorText(response) {
   try {
     const body = await response.json();
@@ -444,17 +460,8 @@ async function send() {
     const response = await api("/v1/chat/completions", {method: "POST", body: JSON.stringify(body),
       signal: state.controller.signal});
     if (!response.ok) throw new Error(await errorText(response));
-    const reader = response.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const {value, done} = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, {stream: true});
-      let cut;
-      while ((cut = buffer.indexOf("\n\n")) >= 0) {
-        const event = buffer.slice(0, cut);
-        buffer = buffer.slice(cut + 2);
+    for await (const events of streamPieces(response, "\n\n")) {
+      for (const event of events) {
         for (const line of event.split("\n")) {
           if (!line.startsWith("data:")) continue;
           const data = line.slice(5).trim();
@@ -725,17 +732,9 @@ $("pull-form").addEventListener("submit", async (event) => {
   try {
     const response = await api("/api/pull", {method: "POST", body: JSON.stringify({model, stream: true})});
     if (!response.ok) throw new Error(await errorText(response));
-    const reader = response.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const {value, done} = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, {stream: true});
-      let cut;
-      while ((cut = buffer.indexOf("\n")) >= 0) {
-        const line = buffer.slice(0, cut).trim();
-        buffer = buffer.slice(cut + 1);
+    for await (const lines of streamPieces(response, "\n")) {
+      for (const piece of lines) {
+        const line = piece.trim();
         if (!line) continue;
         const record = JSON.parse(line);
         if (record.error) throw new Error(record.error);
