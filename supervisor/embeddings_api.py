@@ -125,6 +125,7 @@ def build_embed(model: str, texts, ids, truncate: bool, dimensions: int | None, 
 
 def register(app: FastAPI, supervisor, authorized) -> None:
     from .http_common import REQUEST_ID
+    from .ollama_api import keep_alive as ollama_keep_alive
     from .ollama_api import keep_alive_seconds
 
     # -- OpenAI ---------------------------------------------------------------------------------------------
@@ -162,15 +163,7 @@ def register(app: FastAPI, supervisor, authorized) -> None:
             raise bad(f"options.{key}: not taken by an embedding model here", "options")
 
     async def keep_alive(model: str, seconds: float | None) -> None:
-        if seconds is None:
-            return
-        runner = supervisor.scheduler.runner(model)
-        if seconds == 0:
-            runner.keep_alive = None
-            if runner.in_flight == 0:
-                await run_in_threadpool(supervisor.scheduler.unload, model, "keep_alive 0 (Ollama API)")
-        else:
-            runner.keep_alive = seconds
+        await ollama_keep_alive(supervisor, model, seconds)
 
     @app.post("/api/embed", dependencies=[Depends(authorized)])
     async def ollama_embed(request: Request):

@@ -114,6 +114,20 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
+async def keep_alive(supervisor, name: str, seconds: float | None) -> None:
+    """A request's keep_alive (``keep_alive_seconds``) applied to its model once it is answered: 0 unloads it now
+    unless another request is under way, another time is how long it stays loaded idle; None changes nothing."""
+    if seconds is None:
+        return
+    runner = supervisor.scheduler.runner(name)
+    if seconds == 0:
+        runner.keep_alive = None
+        if runner.in_flight == 0:
+            await run_in_threadpool(supervisor.scheduler.unload, name, "keep_alive 0 (Ollama API)")
+    else:
+        runner.keep_alive = seconds
+
+
 def keep_alive_seconds(value) -> float | None:
     """Ollama's keep_alive (seconds as a number, or a duration such as "5m", "1h30m", "-1") in seconds; None
     when absent; math.inf for a negative one (keep it loaded)."""
@@ -551,15 +565,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
         return PlainTextResponse("Ollama is running")
 
     async def keep_alive_after(name: str, seconds: float | None) -> None:
-        if seconds is None:
-            return
-        runner = supervisor.scheduler.runner(name)
-        if seconds == 0:
-            runner.keep_alive = None
-            if runner.in_flight == 0:
-                await run_in_threadpool(supervisor.scheduler.unload, name, "keep_alive 0 (Ollama API)")
-        else:
-            runner.keep_alive = seconds
+        await keep_alive(supervisor, name, seconds)
 
     async def load_or_unload(body, seconds: float | None) -> dict:
         started = time.perf_counter()
