@@ -33,6 +33,16 @@ from .rewind import Rewinder
 from .sampling import SamplingParams, filtered_probs, sample
 
 
+def draft_token(logits: mx.array, params, key, probs: list) -> mx.array:
+    """A drafter's token after ``logits`` (lazy): the argmax for a greedy request, else a sample of the request's
+    filtered distribution, which goes into ``probs`` (the verifier's q)."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1)
+    q = filtered_probs(logits, params)
+    probs.append(q)
+    return sample(q, key)
+
+
 @dataclass
 class Proposal:
     tokens: mx.array  # (k,) uint32, possibly lazy
@@ -89,12 +99,7 @@ class ModelDrafter:
         step_input = mx.array(inputs)
         for step_key in mx.random.split(key, k) if key is not None else [None] * k:
             logits = self.model(step_input[None], cache=self.cache)[0, -1]
-            if params.greedy:
-                token = mx.argmax(logits, axis=-1)
-            else:
-                q = filtered_probs(logits, params)
-                token = sample(q, step_key)
-                probs.append(q)
+            token = draft_token(logits, params, step_key, probs)
             mx.async_eval(token)
             tokens.append(token)
             step_input = token[None]

@@ -38,8 +38,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .drafters import Proposal
-from .sampling import SamplingParams, filtered_probs, sample
+from .drafters import Proposal, draft_token
+from .sampling import SamplingParams
 
 
 def text_args(config: dict) -> dict:
@@ -280,12 +280,7 @@ class MTPDrafter:
             x = self.mtp.decode(self.mtp.project(self.embed(following), hidden), self.cache)
             hidden = x[:, -1:]
             logits = self.head(self.mtp.final_norm(hidden))[0, -1]
-            if params.greedy:
-                token = mx.argmax(logits, axis=-1)
-            else:
-                q = filtered_probs(logits, params)
-                token = sample(q, step_key)
-                probs.append(q)
+            token = draft_token(logits, params, step_key, probs)
             mx.async_eval(token)
             tokens.append(token)
             following = token.reshape(1, 1)
