@@ -219,7 +219,33 @@ def peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-class RunnerService(runner_pb2_grpc.RunnerServicer):
+class DebugRpcs:
+    """DebugBlock and DebugExit, the faults the tests cause (a hung MLX thread, a crash), for a runner service
+    with ``debug_rpcs`` and a ``_ready()`` worker that runs ``call``s on its MLX thread: the text runner's and the
+    embedding runner's."""
+
+    def _debug(self):
+        worker = self._ready()
+        if not self.debug_rpcs:
+            raise ServiceError(
+                grpc.StatusCode.PERMISSION_DENIED, "debug RPCs are off (start the runner with --debug-rpcs)"
+            )
+        return worker
+
+    def DebugBlock(self, message, context):
+        worker = self._debug()
+        log.warning("debug: blocking the MLX thread for %.1f s", message.seconds)
+        worker.call(lambda: time.sleep(message.seconds))  # not awaited: the caller returns at once
+        return runner_pb2.DebugBlockResponse()
+
+    def DebugExit(self, message, context):
+        worker = self._debug()
+        log.warning("debug: exiting with code %d", message.code)
+        worker.call(lambda: os._exit(message.code))  # a fake crash: no cleanup, like a real one
+        return runner_pb2.DebugExitResponse()
+
+
+class RunnerService(DebugRpcs, runner_pb2_grpc.RunnerServicer):
     def __init__(self, name: str, debug_rpcs: bool = False):
         self.name = name
         self.runtime_rss = psutil.Process().memory_info().rss  # before any model is loaded
@@ -423,26 +449,6 @@ class RunnerService(runner_pb2_grpc.RunnerServicer):
             cooled_entries=released.cooled_entries,
             cooled_bytes=released.cooled_bytes,
         )
-
-    def _debug(self) -> MlxWorker:
-        worker = self._ready()
-        if not self.debug_rpcs:
-            raise ServiceError(
-                grpc.StatusCode.PERMISSION_DENIED, "debug RPCs are off (start the runner with --debug-rpcs)"
-            )
-        return worker
-
-    def DebugBlock(self, message, context):
-        worker = self._debug()
-        log.warning("debug: blocking the MLX thread for %.1f s", message.seconds)
-        worker.call(lambda: time.sleep(message.seconds))  # not awaited: the caller returns at once
-        return runner_pb2.DebugBlockResponse()
-
-    def DebugExit(self, message, context):
-        worker = self._debug()
-        log.warning("debug: exiting with code %d", message.code)
-        worker.call(lambda: os._exit(message.code))  # a fake crash: no cleanup, like a real one
-        return runner_pb2.DebugExitResponse()
 
 
 class RunnerServer:

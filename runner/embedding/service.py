@@ -28,10 +28,10 @@ from common.defaults import CHANNEL_OPTIONS
 from common.embedding import not_this_kind
 from common.errors import ModelLoadError, NotReady
 from common.protocol import runner_pb2, runner_pb2_grpc
-from common.status import ServiceError, StatusInterceptor
+from common.status import StatusInterceptor
 
 from .. import platform
-from ..server import SERVICE_NAME, peak_rss
+from ..server import SERVICE_NAME, DebugRpcs, peak_rss
 from .engine import EmbeddingEngine
 from .worker import EmbeddingWorker
 
@@ -48,7 +48,7 @@ def shorten(vectors: np.ndarray, dimensions: int, normalized: bool) -> np.ndarra
     return cut
 
 
-class EmbeddingService(runner_pb2_grpc.RunnerServicer):
+class EmbeddingService(DebugRpcs, runner_pb2_grpc.RunnerServicer):
     def __init__(self, name: str, debug_rpcs: bool = False):
         self.name = name
         self.debug_rpcs = debug_rpcs
@@ -158,23 +158,6 @@ class EmbeddingService(runner_pb2_grpc.RunnerServicer):
 
         before, after = worker.call(release).result()
         return runner_pb2.ReleaseMemoryResponse(cache_before=before, cache_after=after)
-
-    def _debug(self) -> EmbeddingWorker:
-        worker = self._ready()
-        if not self.debug_rpcs:
-            raise ServiceError(
-                grpc.StatusCode.PERMISSION_DENIED, "debug RPCs are off (start the runner with --debug-rpcs)"
-            )
-        return worker
-
-    def DebugBlock(self, message, context):
-        self._debug().call(lambda: time.sleep(message.seconds))
-        return runner_pb2.DebugBlockResponse()
-
-    def DebugExit(self, message, context):
-        log.warning("debug: exiting with code %d", message.code)
-        self._debug().call(lambda: os._exit(message.code))
-        return runner_pb2.DebugExitResponse()
 
 
 def serve(args, settings, prepare_unix_socket, exit_bad_start: int, exit_engine_failure: int) -> int:
