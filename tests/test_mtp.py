@@ -151,15 +151,30 @@ def test_its_incremental_drafts_equal_drafts_from_scratch_when_drafts_are_kept(t
 
 def test_after_a_prompt_cache_hit_it_drafts_from_what_the_target_runs(trained):
     """A hit's prefix never runs through the target in this request, so the layer has no hidden states for it: it
-    drafts from the positions after it, and the output is still the target's."""
-    engine, plain = trained
-    if not engine.trimmable:
-        pytest.skip("the same prompt again is no prompt-cache hit on this hybrid target")
-    fields = dict(prompt=PROMPT, max_tokens=TOKENS, ignore_eos=True, drafter="mtp", num_draft_tokens=2)
-    collect(engine.generate(GenerationRequest(**fields)))
-    tokens, _, last = collect(engine.generate(GenerationRequest(**fields)))
-    assert last.stats.cached_tokens > 0
-    assert tokens == plain and last.stats.drafted > 0 and last.stats.accepted > 0
+    drafts from the positions after it, and the output is still the target's. Through the worker, as a runner serves
+    it: the hybrid Qwen3.5's recurrent layers cannot be trimmed back, so only its prefilled state serves the same
+    prompt again, which the worker keeps for a prompt past ``KEEP_PREFILL_TOKENS`` (``Engine.keep_prefill``)."""
+    from runner.engine import KEEP_PREFILL_TOKENS
+    from runner.worker import MlxWorker
+
+    engine = trained[0]
+    prompt = " ".join([PROMPT] * (KEEP_PREFILL_TOKENS // 10))
+    assert len(engine.prepare(GenerationRequest(prompt=prompt)).prompt_ids) > KEEP_PREFILL_TOKENS
+    fields = dict(prompt=prompt, max_tokens=16, ignore_eos=True)
+    expected = collect(engine.generate(GenerationRequest(**fields, drafter="none", cache_prompt=False)))[0]
+    worker = MlxWorker(engine, max_queue=8, max_batch=4)
+    worker.start()
+    try:
+        answers = []
+        for _ in range(2):
+            job = worker.submit(engine.prepare(GenerationRequest(**fields, drafter="mtp", num_draft_tokens=2)))
+            answers.append(collect(job.results()))
+    finally:
+        worker.stop(cancel_running=True)
+        worker.join(10)
+    (first, _, cold), (tokens, _, warm) = answers
+    assert cold.stats.cached_tokens == 0 and warm.stats.cached_tokens > KEEP_PREFILL_TOKENS
+    assert first == tokens == expected and warm.stats.drafted > 0
 
 
 @pytest.mark.parametrize(
