@@ -103,6 +103,12 @@ def text_config(config: dict) -> dict:
     return {**config, **config.get("text_config", {})}
 
 
+def mtp_layers(config: dict) -> int:
+    """How many MTP layers a checkpoint's config declares (DeepSeek-V3/GLM's, Qwen3.5's names; 0: none)."""
+    args = text_config(config)
+    return int(args.get("num_nextn_predict_layers") or args.get("mtp_num_hidden_layers") or 0)
+
+
 def context_length(config: dict) -> int:
     config = text_config(config)
     for key in CONTEXT_KEYS:
@@ -187,6 +193,7 @@ class ModelFootprint:
     unsplit_float32_bytes: int = 0
     vision: VisionFootprint | None = None  # a model that sees
     kind: str = "generate"  # or "embed", "rerank" (common.embedding.model_kind): no KV cache, a batch's transient
+    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint carries (runner.mtp drafts with the first)
 
     @classmethod
     def of(cls, folder: str | Path) -> ModelFootprint:
@@ -236,6 +243,7 @@ class ModelFootprint:
             unsplit_checkpoint_bytes=unsplit_checkpoint,
             unsplit_float32_bytes=unsplit_float32,
             vision=VisionFootprint.of(config, preprocessor),
+            mtp_layers=mtp_layers(config),
         )
 
     def weight_bytes(self, dtype: str) -> int:
@@ -253,11 +261,13 @@ class ModelFootprint:
 
     def kv_bytes(self, dtype: str, tokens: int, kv_bits: int = 0, kv_group_size: int = 64) -> int:
         """KV cache of ``tokens`` tokens, rounded up to the cache's 256-token growth step; with ``kv_bits``, each
-        value takes its bits plus its group's scale and bias in the float type (runner/kv_quant.py)."""
+        value takes its bits plus its group's scale and bias in the float type (runner/kv_quant.py). An MTP layer
+        (runner.mtp drafts with one) keeps a float cache of its own over the same positions."""
         steps = -(-tokens // 256) * 256
         itemsize = self.kv_itemsize(dtype)
         per_value = kv_bits / 8 + 2 * itemsize / kv_group_size if kv_bits else itemsize
-        return int(self.layers * self.kv_heads * self.head_dim * 2 * per_value * steps)
+        mtp = min(self.mtp_layers, 1) * self.kv_heads * self.head_dim * 2 * itemsize * steps
+        return int(self.layers * self.kv_heads * self.head_dim * 2 * per_value * steps + mtp)
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")

@@ -65,6 +65,29 @@ def test_the_memory_estimate_counts_the_mtp_weights(mtp_engine):
     assert footprint.parameters >= target + mtp
 
 
+def test_the_memory_estimate_counts_the_mtp_layers_cache(mtp_engine):
+    """The MTP layer keeps a KV cache over the positions it is fed: the estimate's KV counts it beside the target's."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    from runner.mtp import HiddenModel, MTPDrafter
+    from runner.sampling import SamplingParams
+
+    target = mtp_engine.target
+    drafter = MTPDrafter(target.model, target.mtp)
+    model = HiddenModel(target.model, drafter.hidden)
+    context = [(7 * i) % 1000 + 3 for i in range(300)]
+    model(mx.array(context[:-1])[None], cache=model.make_cache())
+    drafter.propose(context, 1, SamplingParams(), None)
+    mx.eval(drafter.cache.state)
+    footprint = ModelFootprint.of(target.path)
+    assert footprint.mtp_layers >= 1
+    without = dataclasses.replace(footprint, mtp_layers=0)
+    counted = footprint.kv_bytes("float32", len(context)) - without.kv_bytes("float32", len(context))
+    assert 0 < drafter.cache.nbytes <= counted  # (DeepSeek's MLA caches less than the heads' width: over-counted)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_with_a_fixed_depth_equals_plain(mtp_engine, plain, k):
     tokens, stats = greedy(mtp_engine, drafter="mtp", num_draft_tokens=k)
