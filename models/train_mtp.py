@@ -1,4 +1,4 @@
-"""Build two tiny random-weight checkpoints that carry multi-token-prediction (MTP) layers, for runner.mtp's tests.
+"""Build three tiny random-weight checkpoints that carry multi-token-prediction (MTP) layers, for runner.mtp's tests.
 
     python models/train_mtp.py [OUT_DIR]
 
@@ -10,13 +10,16 @@ Writes, under ``models/mtp/`` by default, SmolLM2's tokenizer (49152 tokens) and
   weights plus ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, ``shared_head.head`` and ``embed_tokens``
   (copies of the target's). Every layer in Hugging Face's names (``self_attn.kv_b_proj``, ``mlp.experts.N``), as
   the original checkpoint has them, which mlx-lm's sanitize converts.
+* ``glm4_moe/``: mlx-lm's ``glm4_moe`` shrunk (GLM-4.5's architecture: GQA with q/k norms and partial rotary, one
+  dense layer then MoE), its MTP layer laid out as GLM-4.5's checkpoint has it: the same names as DeepSeek-V3's
+  (``model.layers.2``, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``, experts as ``mlp.experts.N``).
 * ``qwen3_5/``: mlx-lm's ``qwen3_5`` text model (hybrid: Gated DeltaNet and gated full attention, the vision
   tests' text config without the vision tower), in mlx's layout, and its MTP layer as Qwen3.5 / Qwen3-Next name it:
   ``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.layers.0`` (a full-attention
   decoder layer), ``mtp.norm`` (config ``mtp_num_hidden_layers`` 1).
 
 Random weights: the MTP layers' drafts are rarely right. They check loading, drafting, caches and rewinds; they say
-nothing about a real model's acceptance. So each also gets a ``*_trained`` copy whose MTP layer was trained here
+nothing about a real model's acceptance. So DeepSeek-V3's and Qwen3.5's each also get a ``*_trained`` copy whose MTP layer was trained here
 (60 steps, the target frozen) on the target's own greedy answer to tests/test_mtp.py's prompt: there its drafts are
 kept, so the tests see accepted drafts too (an overfit layer: nothing about acceptance elsewhere either). Runs on
 the CPU in under a minute.
@@ -77,6 +80,39 @@ DEEPSEEK = {
     "rope_theta": 10000.0,
     "rope_scaling": None,
     "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+GLM = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "partial_rotary_factor": 0.5,
+    "use_qk_norm": True,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "attention_bias": True,
     "tie_word_embeddings": False,
     "bos_token_id": 1,
     "eos_token_id": 2,
@@ -145,7 +181,8 @@ def write_json(path: Path, obj) -> None:
 
 
 def hf_layer(prefix: str, weights: dict, config: dict) -> dict:
-    """One deepseek_v3 layer's mlx-lm weights under Hugging Face's names (kv_b_proj, experts.N)."""
+    """One deepseek_v3 or glm4_moe layer's mlx-lm weights under Hugging Face's names (experts.N; DeepSeek's MLA
+    kv_b_proj)."""
     out = {}
     for name, value in weights.items():
         if ".self_attn.embed_q." in name or ".self_attn.unembed_out." in name:
@@ -156,6 +193,8 @@ def hf_layer(prefix: str, weights: dict, config: dict) -> dict:
                 out[name.split(".mlp.switch_mlp.")[0] + f".mlp.experts.{e}.{projection}"] = value[e]
             continue
         out[name] = value
+    if f"{prefix}.self_attn.embed_q.weight" not in weights:
+        return out  # no MLA (GLM)
     heads, nope, v_dim = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
     wk = weights[f"{prefix}.self_attn.embed_q.weight"]  # (heads, kv_lora, nope)
     wv = weights[f"{prefix}.self_attn.unembed_out.weight"]  # (heads, v_dim, kv_lora)
@@ -164,19 +203,22 @@ def hf_layer(prefix: str, weights: dict, config: dict) -> dict:
     return out
 
 
-def build_deepseek(out: Path) -> None:
-    from mlx_lm.models import deepseek_v3
+def build_deepseek(out: Path, family: str = "deepseek_v3") -> None:
+    """DeepSeek-V3's layout (``family`` deepseek_v3) or GLM-4.5's, which names its MTP layer the same way (glm4_moe)."""
+    import importlib
 
     from runner.mtp import DeepseekMTP
 
     out.mkdir(parents=True)
     copy_tokenizer(out)
-    config = dict(DEEPSEEK)
-    args = deepseek_v3.ModelArgs.from_dict(config)
-    model = deepseek_v3.Model(args)
+    config = dict(DEEPSEEK if family == "deepseek_v3" else GLM)
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    args = module.ModelArgs.from_dict(config)
+    model = module.Model(args)
     randomize(model)
     index = config["num_hidden_layers"]
-    mtp = DeepseekMTP(deepseek_v3.DeepseekV3DecoderLayer, args, index)
+    layer_class = module.DeepseekV3DecoderLayer if family == "deepseek_v3" else module.DecoderLayer
+    mtp = DeepseekMTP(layer_class, args, index)
     randomize(mtp)
     flat = dict(tree_flatten(model.parameters()))
     weights = {k: v for k, v in flat.items() if not k.startswith("model.layers.")}
@@ -219,7 +261,7 @@ def verify(out: Path) -> None:
     from runner.mtp import HiddenModel, MTPDrafter
     from runner.sampling import SamplingParams
 
-    for name in ("deepseek_v3", "qwen3_5"):
+    for name in ("deepseek_v3", "glm4_moe", "qwen3_5"):
         loaded = load_model(out / name, "float32", row_padding=False)
         assert loaded.mtp is not None, name
         drafter = MTPDrafter(loaded.model, loaded.mtp)
@@ -301,6 +343,7 @@ if __name__ == "__main__":
     if OUT.exists():
         shutil.rmtree(OUT)
     build_deepseek(OUT / "deepseek_v3")
+    build_deepseek(OUT / "glm4_moe", "glm4_moe")
     build_qwen(OUT / "qwen3_5")
     verify(OUT)
     train(OUT, "deepseek_v3")

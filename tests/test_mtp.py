@@ -1,5 +1,6 @@
 """A model's own MTP layers as the drafter (runner/mtp.py), on the tiny random-weight checkpoints of
-models/train_mtp.py (``make mtp-model``): DeepSeek-V3's layout (an extra ``model.layers.N``) and Qwen3.5's
+models/train_mtp.py (``make mtp-model``): DeepSeek-V3's layout (an extra ``model.layers.N``; GLM-4.5's names its
+layer the same way, on another architecture) and Qwen3.5's
 (``mtp.*``, on a hybrid target whose recurrent layers are restored and fed again after a rejection).
 
 Random weights: the drafts are rarely kept. These tests check loading, drafting and that the output is the target's.
@@ -21,11 +22,12 @@ from runner.request import GenerationRequest
 from tests.helpers import collect, tiny_hybrid_model
 
 MTP_DIR = Path(__file__).resolve().parents[1] / "models" / "mtp"
-LAYOUTS = ("deepseek_v3", "qwen3_5")
+LAYOUTS = ("deepseek_v3", "qwen3_5")  # each also with a trained copy
+ALSO = ("glm4_moe",)  # random only
 PROMPT = "The for statement is used to iterate over the elements of a sequence"
 TOKENS = 40
 
-pytestmark = pytest.mark.skipif(not (MTP_DIR / "qwen3_5").is_dir(), reason="make mtp-model")
+pytestmark = pytest.mark.skipif(not (MTP_DIR / "glm4_moe").is_dir(), reason="make mtp-model")
 
 
 def greedy(engine, **fields):
@@ -37,7 +39,7 @@ def greedy(engine, **fields):
     return tokens, last.stats
 
 
-@pytest.fixture(scope="module", params=LAYOUTS)
+@pytest.fixture(scope="module", params=LAYOUTS + ALSO)
 def mtp_engine(request):
     return Engine.load(MTP_DIR / request.param, settings=RunnerSettings(dtype="float32"))
 
