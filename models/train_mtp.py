@@ -19,10 +19,10 @@ Writes, under ``models/mtp/`` by default, SmolLM2's tokenizer (49152 tokens) and
   decoder layer), ``mtp.norm`` (config ``mtp_num_hidden_layers`` 1).
 
 Random weights: the MTP layers' drafts are rarely right. They check loading, drafting, caches and rewinds; they say
-nothing about a real model's acceptance. So DeepSeek-V3's and Qwen3.5's each also get a ``*_trained`` copy whose MTP layer was trained here
-(60 steps, the target frozen) on the target's own greedy answer to tests/test_mtp.py's prompt: there its drafts are
-kept, so the tests see accepted drafts too (an overfit layer: nothing about acceptance elsewhere either). Runs on
-the CPU in under a minute.
+nothing about a real model's acceptance. So DeepSeek-V3's and Qwen3.5's each also get a ``*_trained`` copy whose
+MTP layer was trained here (60 steps, the target frozen) on the target's own greedy answer to tests/test_mtp.py's
+prompt: there its drafts are kept, so the tests see accepted drafts too (an overfit layer: nothing about acceptance
+elsewhere either). Runs on the CPU in under a minute.
 """
 
 from __future__ import annotations
