@@ -40,7 +40,7 @@ from .defaults import (
 from .reasoning import FORMATS as REASONING_FORMATS
 from .tool_calls import FORMATS as TOOL_FORMATS
 
-DRAFTERS = ("model", "mtp", "ngram", "none")
+DRAFTERS = ("model", "mtp", "block", "ngram", "none")
 KV_BITS = (8, 4)  # what a quantized KV cache may take (runner/kv_quant.py)
 KV_GROUP_SIZES = (32, 64, 128)
 
@@ -234,8 +234,15 @@ class RunnerSettings:
     drafter: str = setting(
         "",
         "str",
-        'what drafts: "model" (the draft), "mtp" (the target\'s own MTP layer), "ngram" (lookup in the context) or '
-        '"none"; default: model when there is a draft, else mtp where the target has MTP layers, else ngram',
+        'what drafts: "model" (the draft), "mtp" (the target\'s own MTP layer), "block" (the block drafter in '
+        'block), "ngram" (lookup in the context) or "none"; default: model when there is a draft, else mtp where '
+        "the target has MTP layers, else block when block is set, else ngram",
+    )
+    block: Path | None = setting(
+        None,
+        "path",
+        "a block drafter's folder (DFlash's layout: runner/block.py; models/train_block.py trains one): it drafts "
+        "up to its block size - 1 tokens in one pass over the target's hidden states; none = no block drafter",
     )
     num_draft_tokens: int | None = setting(
         None, "depth", '"auto": the depth is chosen round by round (runner/depth.py); a number pins it'
@@ -428,6 +435,8 @@ class RunnerSettings:
             raise SettingsError("drafter", f"{self.drafter!r} is not one of {', '.join(DRAFTERS)}")
         if self.drafter == "model" and self.draft is None:
             raise SettingsError("drafter", '"model" needs a draft')
+        if self.drafter == "block" and self.block is None:
+            raise SettingsError("drafter", '"block" needs block (the block drafter\'s folder)')
         if not 1 <= self.max_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
             raise SettingsError("max_draft_tokens", f"must lie in [1, {MAX_NUM_DRAFT_TOKENS}]")
         if not 1 <= self.ngram_min <= self.ngram_max:
