@@ -40,7 +40,7 @@ from .defaults import (
 from .reasoning import FORMATS as REASONING_FORMATS
 from .tool_calls import FORMATS as TOOL_FORMATS
 
-DRAFTERS = ("model", "mtp", "block", "ngram", "none")
+DRAFTERS = ("model", "mtp", "head", "block", "ngram", "none")
 KV_BITS = (8, 4)  # what a quantized KV cache may take (runner/kv_quant.py)
 KV_GROUP_SIZES = (32, 64, 128)
 
@@ -244,6 +244,14 @@ class RunnerSettings:
         "a block drafter's folder (DFlash's layout: runner/block.py; models/train_block.py trains one): it drafts "
         "up to its block size - 1 tokens in one pass over the target's hidden states; none = no block drafter",
     )
+    head: Path | None = setting(
+        None,
+        "path",
+        "an EAGLE-style drafter head's folder (runner/head.py; python -m models.train_drafter trains one for a "
+        'target): one decoder layer over the target\'s hidden states that drafts with drafter = "head" (by default '
+        "where there is no draft model and no MTP layer); refused where it was trained for another vocabulary, "
+        "width or architecture",
+    )
     num_draft_tokens: int | None = setting(
         None, "depth", '"auto": the depth is chosen round by round (runner/depth.py); a number pins it'
     )
@@ -435,6 +443,13 @@ class RunnerSettings:
             raise SettingsError("drafter", f"{self.drafter!r} is not one of {', '.join(DRAFTERS)}")
         if self.drafter == "model" and self.draft is None:
             raise SettingsError("drafter", '"model" needs a draft')
+        if self.drafter == "head" and self.head is None:
+            raise SettingsError("drafter", '"head" needs head (the drafter head\'s folder)')
+        if self.head is not None:
+            from .heads import problem
+
+            if why := problem(self.head, self.target):
+                raise SettingsError("head", why)
         if self.drafter == "block" and self.block is None:
             raise SettingsError("drafter", '"block" needs block (the block drafter\'s folder)')
         if not 1 <= self.max_draft_tokens <= MAX_NUM_DRAFT_TOKENS:

@@ -172,6 +172,8 @@ class Engine:
         self.cache_cost = CacheCost.measure(target.model, self.kv)
         # Whether the target's caches can be trimmed back to a shorter prefix (not a sliding window's).
         self.trimmable = all(type(layer) is KVCache for layer in make_prompt_cache(target.model))
+        # A drafter head trained here for the target (runner.head), where the settings name one.
+        self.head, self.head_problem = self._load_head(settings.head)
         self.drafters = self._available_drafters()
         self.default_drafter = self._default_drafter()
         # Per runner and drafter: round time by depth, and the acceptance by position a request starts from.
@@ -225,6 +227,20 @@ class Engine:
             log.warning("prompt cache: %s cannot be used (%s): memory only", settings.prompt_cache_dir, error)
             return None
 
+    def _load_head(self, folder):
+        """(the head, "") or (None, why not); None, "" where no head is set."""
+        if folder is None:
+            return None, ""
+        if self.group is not None:
+            return None, "not in a runner group"
+        from .head import load_head
+
+        try:
+            return load_head(folder, self.target), ""
+        except (OSError, ValueError) as error:
+            log.warning("drafter head %s not used: %s", folder, error)
+            return None, f"{folder}: {error}"
+
     def _available_drafters(self) -> dict[str, str]:
         """drafter -> "" when usable, else why not."""
         reasons = {"none": ""}
@@ -247,15 +263,25 @@ class Engine:
             reasons["mtp"] = "not with LoRA adapters"
         else:
             reasons["mtp"] = why_not_target
+        if self.head is None:
+            reasons["head"] = self.head_problem or "no drafter head (the head setting)"
+        elif self.adapters:
+            reasons["head"] = "not with LoRA adapters"
+        else:
+            reasons["head"] = why_not_target
         return reasons
 
     @property
     def wanted_drafter(self) -> str:
         """The configured drafter, or the default one: the draft model when there is one, else the target's MTP
-        layer where it has one, else n-gram."""
+        layer where it has one, else the drafter head where one is set, else n-gram."""
         if self.settings.drafter:
             return self.settings.drafter
-        return "model" if self.draft is not None else ("mtp" if self.target.mtp is not None else "ngram")
+        if self.draft is not None:
+            return "model"
+        if self.target.mtp is not None:
+            return "mtp"
+        return "head" if self.settings.head is not None else "ngram"
 
     def _default_drafter(self) -> str:
         wanted = self.wanted_drafter  # one of DRAFTERS: RunnerSettings checked it
@@ -279,6 +305,7 @@ class Engine:
         source = {
             "model": "draft model",
             "mtp": "the target's MTP layer",
+            "head": f"the drafter head {self.settings.head}",
         }.get(self.default_drafter, f"n-gram lookup (n = {self.settings.ngram_max}..{self.settings.ngram_min})")
         return f"speculative: {source}, {depth}"
 
@@ -286,10 +313,11 @@ class Engine:
     def load(cls, target_dir, draft_dir=None, settings: RunnerSettings | None = None, group=None) -> Engine:
         settings = settings or RunnerSettings()
         folders = [Path(target_dir)] + ([Path(draft_dir)] if draft_dir else [])
+        weighed = folders + ([Path(settings.head)] if settings.head else [])  # the head's weights and cache too
         dtype, reason = settings.dtype, ""
         if dtype == "auto":
             try:
-                footprints = [ModelFootprint.of(folder) for folder in folders]
+                footprints = [ModelFootprint.of(folder) for folder in weighed]
             except (OSError, ValueError):
                 footprints = None  # load_model reports what is wrong with the folder
             if footprints is not None:
@@ -522,8 +550,13 @@ class Engine:
                 (reuse.caches[1], reuse.tokens) if reuse.caches and len(reuse.caches) > 1 else (None, 0)
             )
             source = ModelDrafter(self.draft.model, draft_cache, draft_held)
-        elif drafter == "mtp":
-            source = MTPDrafter(self.target.model, self.target.mtp)
+        elif drafter in ("mtp", "head"):
+            if drafter == "mtp":
+                source = MTPDrafter(self.target.model, self.target.mtp)
+            else:
+                from .head import HeadDrafter
+
+                source = HeadDrafter(self.target.model, self.head)
             # The target as this request calls it: mlx-lm's inner model, then its head, the hidden states kept.
             target = HiddenModel(self._request_model(prepared), source.hidden)
             return SpeculativeDecoder(target, prepared.prompt_ids, prepared.params, key, source, depth, cache, held)

@@ -142,8 +142,9 @@ class Estimates:
         self.runtime_overhead: int | None = None  # measured by the last runner that started (Info.runtime_rss)
 
     def footprints(self, model: ModelConfig) -> list[ModelFootprint]:
-        """The target's and the draft's footprints: from their folders, or for a hub reference not resolved yet
-        (``estimate`` before a pull), from the hub cache or the hub itself (supervisor.hub.footprint)."""
+        """The target's and the draft's footprints (and a drafter head's): from their folders, or for a hub
+        reference not resolved yet (``estimate`` before a pull), from the hub cache or the hub itself
+        (supervisor.hub.footprint)."""
         if model.name not in self._footprints:
             found = []
             for key in ("target", "draft"):
@@ -153,6 +154,8 @@ class Estimates:
                     found.append(hub.footprint(model.refs[key]))
                 elif getattr(model, key) is not None:
                     found.append(ModelFootprint.of(getattr(model, key)))
+            if model.runner.head is not None:  # a drafter head (runner.head): its layer's weights and cache
+                found.append(ModelFootprint.of(model.runner.head))
             self._footprints[model.name] = found
         return self._footprints[model.name]
 

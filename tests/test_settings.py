@@ -16,6 +16,7 @@ EVERY_SETTING_CHANGED = RunnerSettings(
     name="m",
     drafter="ngram",
     block=Path("models/block/default"),
+    head=Path("models/heads/default"),
     num_draft_tokens=3,
     max_draft_tokens=9,
     ngram_max=5,
