@@ -10,7 +10,7 @@ WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
 DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 MLX_BACKEND ?= $(if $(DRIVER),$(if $(shell [ $(DRIVER) -ge 580 ] && echo y),cuda13,cuda12),cpu)
 
-.PHONY: install proto lint format test bench models reasoning-model real-model embedding-model vocabularies vision-model mtp-model clients browser run clean
+.PHONY: install proto lint format test bench models reasoning-model real-model embedding-model vocabularies vision-model mtp-model drafter-heads drafter-heads-long clients browser run clean
 
 install: $(VENV)/.installed
 
@@ -58,6 +58,26 @@ vision-model: install real-model
 mtp-model: install real-model
 	$(BIN)/python models/train_mtp.py
 
+# EAGLE-style drafter heads trained here (issue #41 item 2: runner/head.py, models/train_drafter.py) for the default
+# pair's target, SmolLM2 and Gemma 3 270M, into models/heads (outside git), for the tests: short trainings (about
+# 4 minutes in all on 2 cores), each run again only when the training code changes. `make drafter-heads-long`
+# trains the default target's and SmolLM2's again for longer (the benchmark's heads, docs/benchmarks.md).
+HEAD_TRAIN = $(WITH_BLAS) $(BIN)/python -m models.train_drafter
+drafter-heads: models/heads/default/config.json models/heads/smollm2/config.json models/heads/gemma3-270m/config.json
+
+models/heads/default/config.json: models/default/target/config.json models/train_drafter.py models/drafter_data.py | install
+	$(HEAD_TRAIN) --target models/default/target --out models/heads/default --prompts 128 --tokens 64 --epochs 4 --lr 2e-3
+
+models/heads/smollm2/config.json: models/train_drafter.py models/drafter_data.py | real-model
+	$(HEAD_TRAIN) --target models/smollm2 --out models/heads/smollm2 --prompts 64 --tokens 64 --epochs 3 --lr 2e-3
+
+models/heads/gemma3-270m/config.json: models/train_drafter.py models/drafter_data.py | real-model
+	$(HEAD_TRAIN) --target models/gemma3-270m --out models/heads/gemma3-270m --prompts 16 --tokens 24 --epochs 1 --held-out 4
+
+drafter-heads-long: install real-model
+	$(HEAD_TRAIN) --target models/default/target --out models/heads/default --prompts 256 --tokens 96 --epochs 8 --lr 2e-3
+	$(HEAD_TRAIN) --target models/smollm2 --out models/heads/smollm2 --prompts 128 --tokens 96 --epochs 5 --lr 2e-3
+
 # The clients the tests run that are not Python packages: Claude Code from npm, into .clients (outside git).
 CLAUDE_CODE := @anthropic-ai/claude-code@2.1.197
 clients: .clients/.installed
@@ -81,7 +101,7 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: install lint real-model embedding-model vocabularies vision-model mtp-model clients browser
+test: install lint real-model embedding-model vocabularies vision-model mtp-model drafter-heads clients browser
 	$(WITH_BLAS) $(BIN)/python -m pytest -q
 
 bench: install real-model vision-model embedding-model
@@ -94,4 +114,4 @@ run: install real-model
 	$(BIN)/python -m supervisor serve --sample-request
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .whl .clients models/smollm2 models/gemma3-270m models/all-minilm-l6-v2 models/embedding
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .whl .clients models/smollm2 models/gemma3-270m models/all-minilm-l6-v2 models/embedding models/heads

@@ -15,6 +15,7 @@ from common.cpu_blas import reexec_with_fast_blas
 SECTIONS = (
     "speculation",
     "mtp",
+    "head",
     "release_rule",
     "runner",
     "supervisor",
