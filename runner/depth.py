@@ -100,8 +100,12 @@ class DepthController:
         probe_every: int = PROBE_EVERY,
         max_probe_every: int = MAX_PROBE_EVERY,
         smoothing: float = SMOOTHING,
+        one_pass: bool = False,
     ):
         self.max_depth = max_depth
+        # Whether the drafter proposes any depth in one pass (runner.block): a drafted round's time is then one
+        # draft pass plus a verification that grows with k, not k drafter steps (predicted_seconds).
+        self.one_pass = one_pass
         self.start = min(start, max_depth)
         self.probe_every = probe_every
         self.max_probe_every = max(max_probe_every, probe_every)
@@ -162,14 +166,23 @@ class DepthController:
             return self.seconds[depth]
         if len(self.seconds) < 2:
             return None
-        n = len(self.seconds)
-        mean_k = sum(self.seconds) / n
-        mean_t = sum(self.seconds.values()) / n
-        spread = sum((k - mean_k) ** 2 for k in self.seconds)
-        slope = max(0.0, sum((k - mean_k) * (t - mean_t) for k, t in self.seconds.items()) / spread)
-        deepest = max(k for k in self.seconds if k < depth) if min(self.seconds) < depth else None
+        timed = self.seconds
+        if self.one_pass and depth > 0:
+            # A one-pass drafter's round: its draft pass costs the same at every depth and plain rounds never pay
+            # it, so the line runs through the drafted depths only; with one of them timed, a deeper round is
+            # expected to take as long (the verification's growth is what the next probe measures).
+            drafted = {k: t for k, t in timed.items() if k > 0}
+            if len(drafted) == 1:
+                return next(iter(drafted.values()))
+            timed = drafted or timed
+        n = len(timed)
+        mean_k = sum(timed) / n
+        mean_t = sum(timed.values()) / n
+        spread = sum((k - mean_k) ** 2 for k in timed)
+        slope = max(0.0, sum((k - mean_k) * (t - mean_t) for k, t in timed.items()) / spread)
+        deepest = max(k for k in timed if k < depth) if min(timed) < depth else None
         line = mean_t + slope * (depth - mean_k)
-        return max(line, self.seconds[deepest]) if deepest is not None else line
+        return max(line, timed[deepest]) if deepest is not None else line
 
     def rate(self, depth: int, acceptance: list[float] | None = None) -> float:
         """Expected tokens per second at ``depth`` (0 when its time is unknown)."""
@@ -193,7 +206,9 @@ class DepthController:
         """The controller of one request. Round times are the runner's (shared, and kept current by every
         request); the acceptance is the request's own, its first position starting from what requests on this
         runner kept (``finish`` folds each request's in, a ``REQUEST_SMOOTHING`` step per request)."""
-        own = DepthController(self.max_depth, self.start, self.probe_every, self.max_probe_every, self.smoothing)
+        own = DepthController(
+            self.max_depth, self.start, self.probe_every, self.max_probe_every, self.smoothing, self.one_pass
+        )
         own.profile = self.profile.copy()
         own.seconds, own.samples, own.timed_at = self.seconds, self.samples, self.timed_at
         own.histogram = self.histogram
