@@ -174,6 +174,8 @@ class Engine:
         self.trimmable = all(type(layer) is KVCache for layer in make_prompt_cache(target.model))
         # A drafter head trained here for the target (runner.head), where the settings name one.
         self.head, self.head_problem = self._load_head(settings.head)
+        # A block drafter (runner.block), where the settings name one.
+        self.block, self.block_problem = self._load_block(settings.block)
         self.drafters = self._available_drafters()
         self.default_drafter = self._default_drafter()
         # Per runner and drafter: round time by depth, and the acceptance by position a request starts from.
@@ -184,6 +186,9 @@ class Engine:
             for name in self.drafters
             if name != "none"
         }
+        if self.block is not None:  # one pass drafts any depth up to the block's: that cost shape, that deepest
+            depth = min(settings.max_draft_tokens, self.block.config.block_size - 1)
+            self.depth["block"] = DepthController(depth, start=min(DEFAULT_NUM_DRAFT_TOKENS, depth), one_pass=True)
 
     def _kv_quantization(self, settings: RunnerSettings):
         """The target's KV cache quantization (runner.kv_quant), or None; a group size that does not divide the
@@ -241,6 +246,22 @@ class Engine:
             log.warning("drafter head %s not used: %s", folder, error)
             return None, f"{folder}: {error}"
 
+    def _load_block(self, folder):
+        """(the block drafter's model, "") or (None, why not); None, "" where no block folder is set."""
+        if folder is None:
+            return None, ""
+        if self.group is not None:
+            return None, "not in a runner group"
+        if self.target.vision is not None:
+            return None, "not for a model that sees"
+        from .block import load_block
+
+        try:
+            return load_block(folder, self.target), ""
+        except (OSError, ValueError, KeyError) as error:
+            log.warning("block drafter %s not used: %s", folder, error)
+            return None, f"{folder}: {error}"
+
     def _available_drafters(self) -> dict[str, str]:
         """drafter -> "" when usable, else why not."""
         reasons = {"none": ""}
@@ -269,6 +290,12 @@ class Engine:
             reasons["head"] = "not with LoRA adapters"
         else:
             reasons["head"] = why_not_target
+        if self.block is None:
+            reasons["block"] = self.block_problem or "no block drafter (the block setting)"
+        elif self.adapters:
+            reasons["block"] = "not with LoRA adapters"
+        else:
+            reasons["block"] = why_not_target
         return reasons
 
     @property
@@ -281,7 +308,7 @@ class Engine:
             return "model"
         if self.target.mtp is not None:
             return "mtp"
-        return "head" if self.settings.head is not None else "ngram"
+        return "head" if self.settings.head is not None else ("block" if self.settings.block is not None else "ngram")
 
     def _default_drafter(self) -> str:
         wanted = self.wanted_drafter  # one of DRAFTERS: RunnerSettings checked it
@@ -305,6 +332,7 @@ class Engine:
         source = {
             "model": "draft model",
             "mtp": "the target's MTP layer",
+            "block": f"the block drafter {self.settings.block}",
             "head": f"the drafter head {self.settings.head}",
         }.get(self.default_drafter, f"n-gram lookup (n = {self.settings.ngram_max}..{self.settings.ngram_min})")
         return f"speculative: {source}, {depth}"
@@ -314,6 +342,7 @@ class Engine:
         settings = settings or RunnerSettings()
         folders = [Path(target_dir)] + ([Path(draft_dir)] if draft_dir else [])
         weighed = folders + ([Path(settings.head)] if settings.head else [])  # the head's weights and cache too
+        weighed += [Path(settings.block)] if settings.block else []  # a block drafter's too
         dtype, reason = settings.dtype, ""
         if dtype == "auto":
             try:
@@ -559,6 +588,13 @@ class Engine:
                 source = HeadDrafter(self.target.model, self.head)
             # The target as this request calls it: mlx-lm's inner model, then its head, the hidden states kept.
             target = HiddenModel(self._request_model(prepared), source.hidden)
+            return SpeculativeDecoder(target, prepared.prompt_ids, prepared.params, key, source, depth, cache, held)
+        elif drafter == "block":
+            from .block import BlockDrafter, TappedModel
+
+            source = BlockDrafter(self.target.model, self.block)
+            # The target as this request calls it: mlx-lm's own call, its tapped layers' outputs kept by position.
+            target = TappedModel(self._request_model(prepared), source.taps, source.features)
             return SpeculativeDecoder(target, prepared.prompt_ids, prepared.params, key, source, depth, cache, held)
         else:
             context = seen.real_ids if seen is not None else prepared.prompt_ids
