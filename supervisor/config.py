@@ -258,6 +258,9 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
     if isinstance(table.get("head"), str):  # a drafter head's folder (runner.head), relative to the config's
         head = Path(table["head"]).expanduser()
         table["head"] = str(head if head.is_absolute() else base / head)
+    if isinstance(table.get("block"), str):  # a block drafter's folder (runner.block), relative to the config's
+        block = Path(table["block"]).expanduser()
+        table["block"] = str(block if block.is_absolute() else base / block)
     if isinstance(table.get("hostfile"), str):  # relative to the config's folder, like the model paths
         hostfile = Path(table["hostfile"]).expanduser()
         table["hostfile"] = str(hostfile if hostfile.is_absolute() else base / hostfile)
@@ -270,6 +273,7 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
         target=settings.target if "target" in refs else _model_path(f"{p}target", settings.target, base),
         draft=settings.draft if "draft" in refs else _model_path(f"{p}draft", settings.draft, base),
         head=_folder(f"{p}head", settings.head) if settings.head is not None else None,
+        block=_folder(f"{p}block", settings.block) if settings.block is not None else None,
         prompt_cache_dir=_cache_dir(f"{p}prompt_cache_dir", settings.prompt_cache_dir, base),
     )
     soft = parse_size(f"{p}soft_limit", table.pop("soft_limit", 0))
