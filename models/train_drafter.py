@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import random
 import time
 from pathlib import Path
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=128, help="the longest continuation of each")
     parser.add_argument("--held-out", type=int, default=16, help="of those, kept out of training (agreement)")
     parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per training step")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per training step")
     parser.add_argument("--gen-batch", type=int, default=32, help="sequences per generation batch")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--reg-weight", type=float, default=0.5, help="the hidden-state regression's weight")
@@ -144,6 +145,10 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--draft-vocab", type=int, default=-1, help="a reduced vocabulary of N tokens (0: none; -1: 8192 past 16k)"
     )
+    parser.add_argument(
+        "--init", choices=("random", "target"), default="random", help="the layer's start (target: a copy of its last)"
+    )
+    parser.add_argument("--data-cache", type=Path, help="keep the generated data in this file, reuse it when there")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -154,8 +159,14 @@ def main(argv=None) -> None:
     config = json.loads((args.target / "config.json").read_text())
     vocab = int(text.args.vocab_size)
     data_started = time.perf_counter()
-    ids = prompts(tokenizer, args.prompts, seed=args.seed)
-    sequences = greedy_sequences(model, tokenizer, ids, args.tokens, batch=args.gen_batch)
+    key = (str(args.target), config_hash(config), args.prompts, args.tokens, args.seed)
+    sequences = _cached(args.data_cache, key)
+    if sequences is None:
+        ids = prompts(tokenizer, args.prompts, seed=args.seed)
+        sequences = greedy_sequences(model, tokenizer, ids, args.tokens, batch=args.gen_batch)
+        if args.data_cache is not None:
+            args.data_cache.parent.mkdir(parents=True, exist_ok=True)
+            args.data_cache.write_bytes(pickle.dumps((key, sequences)))
     positions = sum(len(s.tokens) - 1 for s in sequences)
     data_seconds = time.perf_counter() - data_started
     print(f"data: {len(sequences)} sequences, {positions} positions in {data_seconds:.0f}s", flush=True)
@@ -169,7 +180,7 @@ def main(argv=None) -> None:
         held = np.concatenate([s.labels for s in held_out]) if held_out else np.zeros(0, np.int32)
         covered = np.isin(held, draft_tokens).mean() if held.size else float("nan")
         print(f"reduced vocabulary: {draft_vocab} of {vocab} tokens cover {covered:.3f} of held-out choices")
-    head = build_head(model, draft_tokens)
+    head = build_head(model, draft_tokens, copy_layer=args.init == "target")
     t2d = None
     if draft_tokens:
         table = np.full(vocab, -1, np.int32)
@@ -246,6 +257,14 @@ def main(argv=None) -> None:
     save_head(head, args.out, head_config)
     size = sum(v.nbytes for _, v in tree_flatten(head.parameters())) / 2**20
     print(f"wrote {args.out} ({size:.1f} MiB in float32) in {time.perf_counter() - started:.0f}s in all")
+
+
+def _cached(path: Path | None, key: tuple):
+    """The sequences kept in ``path`` for the same target, prompts, tokens and seed, or None."""
+    if path is None or not path.is_file():
+        return None
+    kept, sequences = pickle.loads(path.read_bytes())
+    return sequences if kept == key else None
 
 
 def _layer_index(head, model) -> int:

@@ -109,7 +109,7 @@ def trainable_keys(head: EagleHead) -> list[str]:
     return [k for k, _ in tree_flatten(head.parameters()) if not k.startswith(("lm_head.", "d2t"))]
 
 
-def build_head(model, draft_tokens: list[int] | None = None) -> EagleHead:
+def build_head(model, draft_tokens: list[int] | None = None, copy_layer: bool = True) -> EagleHead:
     """A new head for ``model`` (float32): its layer a copy of the target's last full-attention layer, its norms at
     one, ``fc`` random; with ``draft_tokens`` a reduced vocabulary of those target tokens."""
     index = full_attention_index(_text_model(model))
@@ -117,7 +117,8 @@ def build_head(model, draft_tokens: list[int] | None = None) -> EagleHead:
     text = _text_model(model)
     from mlx.utils import tree_flatten
 
-    head.layers[0].update(text.model.layers[index].parameters())
+    if copy_layer:
+        head.layers[0].update(text.model.layers[index].parameters())
     # The final norm starts as the target's (its effective weight: the norm of a vector of ones), so the head's
     # logits start at the target's scale.
     head.norm.weight = text.model.norm(mx.ones((1, head.norm.weight.size))).reshape(-1)
