@@ -4,8 +4,8 @@ The same shape as a checkpoint's own MTP layer (``runner.mtp``), with weights tr
 ``models/train_drafter.py``: at position i it takes the target's last hidden state h_i and the embedding of token
 i+1 (the target's own embedding), normalises each, concatenates them (embedding first), projects them back to the
 target's width, runs one decoder layer of the target's own architecture (mlx-lm's class: llama's for SmolLM2 and the
-default pair's target, gemma3_text's for Gemma 3; initialised from the target's last full-attention layer), a norm,
-and the target's LM head: the draft for token i+2. ``runner.mtp.MTPDrafter`` drives it exactly as it drives an MTP
+default pair's target, gemma3_text's for Gemma 3, built as a full-attention layer; trained from random weights), a
+norm and the target's LM head: the draft for token i+2. ``runner.mtp.MTPDrafter`` drives it exactly as it drives an MTP
 layer (the target called as ``HiddenModel``; chained steps on its own output; its cache holds kept positions only).
 
 A head may carry a reduced vocabulary (EAGLE-3's): the N tokens the target chose most often in its training data
