@@ -1,13 +1,15 @@
 """Constrained decoding's cost and the forced-token drafts (issue #21), on SmolLM2 in-process.
 
 Each schema-heavy request (a chat asking to fill a form, answered under its
-JSON schema, greedy) runs in five ways, alternating the order between repeats:
+JSON schema, greedy) runs in seven ways, alternating the order between repeats:
 
 - free, plain: the same prompt without a grammar, for as many tokens as the
   constrained answer has (``ignore_eos``): the speed to match;
 - constrained, plain, forcing off: a mask per token, no forced drafts: what
   the grammar costs;
 - constrained, plain: forced tokens fed as certain drafts (runner.constraint);
+- both constrained plain ways again with each round's pass fed after its token is read, not queued before
+  (``runner.decoders.QUEUE_CONSTRAINED_PASSES`` off: how constrained rounds ran before issue #40 item 4);
 - free and constrained with the model's default drafter (n-gram lookup for
   SmolLM2), forced tokens on.
 
@@ -24,6 +26,7 @@ import json
 from bench.speculation import after_first_token
 from common.defaults import SMOLLM2_DIR
 from common.settings import RunnerSettings
+from runner import decoders
 from runner.engine import Engine
 from runner.request import GenerationRequest
 
@@ -98,14 +101,18 @@ SCHEMAS = [
 REPEATS = 3
 
 
-def _rate(engine: Engine, request: GenerationRequest, forcing: bool = True) -> tuple[float, float, int, int]:
+def _rate(
+    engine: Engine, request: GenerationRequest, forcing: bool = True, queued: bool = True
+) -> tuple[float, float, int, int]:
     """(tokens, seconds) after the first token; forced, and drafted-and-kept counts."""
     engine.grammars.forcing = forcing
+    decoders.QUEUE_CONSTRAINED_PASSES = queued
     try:
         for last in engine.generate(request):
             pass
     finally:
         engine.grammars.forcing = True
+        decoders.QUEUE_CONSTRAINED_PASSES = True
     s = last.stats
     return *after_first_token(s), s.forced, s.accepted
 
@@ -124,18 +131,20 @@ def run() -> None:
         length = last.stats.generated_tokens
         free = {**base, "max_tokens": length, "ignore_eos": True}
         configs = {
-            "free, plain": (GenerationRequest(**free, drafter="none"), True),
-            "constrained, plain, forcing off": (constrained, False),
-            "constrained, plain (forced tokens as drafts)": (constrained, True),
-            "free, default drafter": (GenerationRequest(**free), True),
-            "constrained, default drafter and forced tokens": (GenerationRequest(**base, grammar=grammar), True),
+            "free, plain": (GenerationRequest(**free, drafter="none"), True, True),
+            "constrained, plain, forcing off": (constrained, False, True),
+            "constrained, plain, forcing off, passes not queued": (constrained, False, False),
+            "constrained, plain (forced tokens as drafts)": (constrained, True, True),
+            "constrained, plain (forced tokens as drafts), passes not queued": (constrained, True, False),
+            "free, default drafter": (GenerationRequest(**free), True, True),
+            "constrained, default drafter and forced tokens": (GenerationRequest(**base, grammar=grammar), True, True),
         }
-        for label, (request, forcing) in configs.items():  # warm-up
-            _rate(engine, request, forcing)
+        for label, (request, forcing, queued) in configs.items():  # warm-up
+            _rate(engine, request, forcing, queued)
         for repeat in range(REPEATS):
             order = list(configs.items()) if repeat % 2 == 0 else list(configs.items())[::-1]
-            for label, (request, forcing) in order:
-                tokens, seconds, forced, accepted = _rate(engine, request, forcing)
+            for label, (request, forcing, queued) in order:
+                tokens, seconds, forced, accepted = _rate(engine, request, forcing, queued)
                 total = rows.setdefault(label, [0, 0.0, 0, 0])
                 total[0] += tokens
                 total[1] += seconds

@@ -14,7 +14,8 @@ of each kind.
 - batching with a quantized KV cache (kv_bits 8): the rows one ``batch_memory`` admits against float's (goal
   >= 1.8x), 8 concurrent requests' tok/s batched at 8 bits against float (alternated), and whether each batched
   8-bit request's greedy tokens are its tokens alone.
-Not here (not built yet): constrained decoding pipelined, the relay at 16 clients (issue #40 items 4-5).
+Not here: constrained decoding against free decoding (item 4) is bench/structured.py's, the relay at 16 clients
+(item 5) bench/front_door.py's.
 """
 
 from __future__ import annotations

@@ -24,8 +24,15 @@ instead, in both decoders: the tokens the grammar forces go into the forward
 pass as certain drafts (no drafter, no verification); otherwise the drafter's
 proposal (if any) is walked through the grammar and cut after its first
 forbidden token (which the target then rejects, as it would); every verified
-row is masked, the grammar takes back the rejected drafts. Its rounds are not
-pipelined: a position's mask needs the token before it on the host.
+row is masked, the grammar takes back the rejected drafts. A position's mask
+needs the token before it on the host, so the token a round chooses cannot be
+queued with the pass after it as plain decoding queues it; but the pass that
+feeds it can be queued before the host reads it (``_pass``): the device runs
+that pass while the host reads the token, hands it to the grammar and works out
+the next mask, and the next round chooses from the queued pass's row. A round
+queues it only where nothing was forced in it: tokens forced after the queued
+one would need a pass of their own, where unqueued they go into the pass of the
+token before them.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ from .penalties import Penalties
 from .prefill import PrefillPlanner
 from .rewind import Rewinder
 from .sampling import SamplingParams, filtered_probs, point_mass, sample, verify_greedy, verify_sampled
+
+QUEUE_CONSTRAINED_PASSES = True  # constrained rounds queue their token's pass before reading it (bench/structured.py)
 
 
 @dataclass
@@ -72,6 +81,7 @@ class Decoder:
         self.pending = prompt_ids[-1]
         self.stats = DecoderStats()
         self._queued: tuple[mx.array, mx.array] | None = None  # (token, logits) a pipelined round queued
+        self._pass: mx.array | None = None  # the logits of a queued pass of ``pending`` (a constrained round's)
         self.constraint: Constraint | None = None  # the request's grammar (set by the engine)
         self.stop_ids: frozenset[int] = frozenset()  # tokens that end the request: never forced ahead
         self.bias: mx.array | None = None  # added to every row the request chooses from (logit_bias)
@@ -253,11 +263,25 @@ class Decoder:
 
     def close(self) -> None:
         self.cache = None
+        self._pass = None
+
+    def _unqueue_pass(self) -> None:
+        """A pass a constrained round queued while the request has no grammar any more (a reasoning phase that
+        ended with nothing after it): the unconstrained choice after it, as a plain round queues it."""
+        if self._pass is not None and self.constraint is None:
+            logits, self._pass = self._pass, None
+            chosen = self.choose_next(logits)
+            mx.async_eval(chosen)
+            self._queued = (chosen, logits)
 
     # -- batching (runner.batch) ----------------------------------------------------------------------
 
-    def settle(self) -> Step | None:
-        """Read a token a pipelined round has queued, so the cache holds exactly all but ``pending``."""
+    def settle(self, budget: int = 1) -> Step | None:
+        """Read a token a pipelined round has queued, so the cache holds exactly all but ``pending``; a
+        constrained round's queued pass: the round that chooses from it (at most ``budget`` tokens)."""
+        self._unqueue_pass()
+        if self._pass is not None:
+            return self._constrained_round(budget, 0, pipeline=False)
         if self._queued is None:
             return None
         tokens, logits = self._read_queued()
@@ -300,10 +324,13 @@ class Decoder:
         if keep != len(fed):
             raise AssertionError("a plain decoder never has drafts to take back")
 
-    def _constrained_round(self, budget: int, k: int) -> Step:
+    def _constrained_round(self, budget: int, k: int, pipeline: bool | None = None) -> Step:
         """One round under the grammar: forced tokens, or up to ``k`` drafts walked through it, verified on
-        masked rows; never more than ``budget`` tokens."""
+        masked rows; never more than ``budget`` tokens. A pass of ``pending`` the last round queued gives its
+        first row. ``pipeline``: a round with neither forced tokens nor drafts queues the pass of its token
+        before reading it (see the module's docstring)."""
         constraint = self.constraint
+        queued, self._pass = self._pass, None
         forced, mask = constraint.forced(budget - 1, self.stop_ids)
         drafts, masks, proposal = [], [mask], None
         consumed = []  # per draft: whether the matcher took it (an end token after the grammar's end is a no-op)
@@ -322,17 +349,24 @@ class Decoder:
                 masks.append(constraint.mask())
                 if ended:
                     break  # nothing follows the grammar's end
-        fed = [self.pending] + forced + drafts
+        fed = ([] if queued is not None else [self.pending]) + forced + drafts
         if drafts:
             self._snapshot()
-        logits = self.model(mx.array(fed, dtype=mx.uint32)[None], cache=self.cache)[0]
+        logits = self.model(mx.array(fed, dtype=mx.uint32)[None], cache=self.cache)[0] if fed else None
+        if queued is not None:  # row 0: after pending, from the queued pass
+            logits = queued[None] if logits is None else mx.concatenate([queued[None], logits])
         self._count(forced)
         # Rows len(forced).. verify the drafts; a row after a forbidden draft is never reached (no mask).
         rows = self.process(logits[len(forced) :], before=drafts)
         rows = apply_masks(rows, masks + [None] * (len(drafts) + 1 - len(masks)))
         if not drafts:
             verdict_accepted, next_token = 0, self._pick(rows[0], verify_key)
-            mx.eval(next_token)
+            mx.async_eval(next_token)
+            if pipeline is None:
+                pipeline = QUEUE_CONSTRAINED_PASSES
+            if pipeline and not forced and budget > 1:  # the pass of next_token, queued before it is read
+                self._pass = self.model(next_token.reshape(1, 1).astype(mx.uint32), cache=self.cache)[0, -1]
+                mx.async_eval(self._pass)
         else:
             if self.params.greedy:
                 verdict = verify_greedy(rows, mx.array(drafts, dtype=mx.uint32))
@@ -350,9 +384,11 @@ class Decoder:
         tokens = forced + drafts[:verdict_accepted] + [token]
         self._count(tokens[len(forced) :])
         if drafts:
-            self._rewind(fed, 1 + len(forced) + verdict_accepted)
+            self._rewind(fed, len(fed) - len(drafts) + verdict_accepted)
             self._drafts_kept(proposal, verdict_accepted)
         self._take(tokens)
+        if self._pass is not None:  # the queued pass feeds the new pending token
+            self.held = len(self.tokens)
         return Step(tokens, len(drafts), verdict_accepted, logits, len(forced))
 
     def _snapshot(self) -> None:
@@ -371,6 +407,7 @@ class PlainDecoder(Decoder):
             step = self._constrained_round(budget, 0)
             self.stats.depths[step.drafted] += 1
             return step
+        self._unqueue_pass()
         self.stats.depths[0] += 1
         return self._pipelined_step(budget)
 
@@ -450,6 +487,7 @@ class SpeculativeDecoder(Decoder):
     def step(self, budget: int) -> Step:
         if self.constraint is not None:
             return self._constrained_step(budget)
+        self._unqueue_pass()
         # A request's first round is not timed (None): it carries one-off costs, such as the cache's first
         # growth past the prompt.
         started = self._last_end

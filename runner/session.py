@@ -176,10 +176,16 @@ class Session:
         return self._keep is not None
 
     def settle(self) -> Round | None:
-        """Before joining a batch: the round of a token its pipelined decoder has queued, if any, so its cache
-        holds exactly every token but ``pending``."""
-        step = self._decoder.settle()
-        return None if step is None else self._take(step.tokens, 0, 0, step.logits)
+        """Before joining a batch: the round of a token its pipelined decoder has queued (or of the pass a
+        constrained round queued), if any, so its cache holds exactly every token but ``pending``."""
+        try:
+            step = self._decoder.settle(self.budget)
+        except ConstraintBroken as error:
+            return self._broken(error)
+        if step is None:
+            return None
+        self.stats.forced += step.forced
+        return self._take(step.tokens, 0, 0, step.logits)
 
     def join_batch(self) -> list:
         """Its cache, for the batch to merge in (after ``settle``); the batch decodes it from now on."""

@@ -97,6 +97,40 @@ def test_forced_tokens_go_into_the_forward_pass_as_certain_drafts(engine, plain_
     assert json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
 
 
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "lark"])
+def test_a_free_run_under_a_grammar_queues_each_pass_before_reading_its_token(engine, plain_outputs, kind, monkeypatch):
+    """Where a constrained round forced nothing, the pass of its token is queued before the host reads it (the
+    device runs it while the grammar takes the token and works out the next mask): rounds start from a queued pass,
+    and the tokens, their logprobs and a seeded sample are those of rounds that queue nothing."""
+    from runner.decoders import Decoder
+
+    round_ = Decoder._constrained_round
+    started_queued = []
+
+    def recording(self, budget, k, pipeline=None):
+        started_queued.append(self._pass is not None)
+        return round_(self, budget, k, pipeline)
+
+    def unqueued(self, budget, k, pipeline=None):
+        return round_(self, budget, k, False)
+
+    def answer(**fields):
+        request = GenerationRequest(prompt=PROMPT, max_tokens=96, cache_prompt=False, grammar=GRAMMARS[kind], **fields)
+        rounds = list(engine.generate(request))
+        return [t for r in rounds for t in r.token_ids], [p.logprob for r in rounds for p in r.logprobs]
+
+    greedy, sampled = dict(drafter="none", logprobs=True), dict(drafter="none", temperature=0.8, seed=7, logprobs=True)
+    monkeypatch.setattr(Decoder, "_constrained_round", recording)
+    queued = [answer(**greedy), answer(**sampled)]
+    monkeypatch.setattr(Decoder, "_constrained_round", unqueued)
+    alone = [answer(**greedy), answer(**sampled)]
+    assert queued[0][0] == plain_outputs[kind][0]
+    assert sum(started_queued) >= len(queued[0][0]) // 4  # each free run's rounds after its first
+    for (tokens, logprobs), (tokens_alone, logprobs_alone) in zip(queued, alone):
+        assert tokens == tokens_alone  # (a row from a one-token pass differs from one of a longer pass by rounding)
+        assert logprobs == pytest.approx(logprobs_alone, abs=1e-4)
+
+
 def test_a_bad_grammar_is_refused_naming_the_field(engine):
     bad = [
         "not json",
