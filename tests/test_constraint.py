@@ -98,13 +98,13 @@ def test_forced_tokens_go_into_the_forward_pass_as_certain_drafts(engine, plain_
 
 
 @pytest.mark.parametrize("kind", ["json_schema", "regex", "lark"])
-def test_a_free_run_under_a_grammar_queues_each_pass_before_reading_its_token(engine, plain_outputs, kind, monkeypatch):
-    """Where a constrained round forced nothing, the pass of its token is queued before the host reads it (the
-    device runs it while the grammar takes the token and works out the next mask): rounds start from a queued pass,
-    and the tokens, their logprobs and a seeded sample are those of rounds that queue nothing."""
-    from runner.decoders import Decoder
+def test_a_queued_pass_under_a_grammar_changes_nothing_but_when_the_pass_runs(engine, plain_outputs, kind, monkeypatch):
+    """A constrained round may queue the pass of its token before the host reads it (the device runs it while the
+    grammar takes the token and works out the next mask). With every round that forced nothing queuing one, the
+    tokens, their logprobs and a seeded sample are those of rounds that queue nothing."""
+    from runner import decoders
 
-    round_ = Decoder._constrained_round
+    round_ = decoders.Decoder._constrained_round
     started_queued = []
 
     def recording(self, budget, k, pipeline=None):
@@ -120,15 +120,39 @@ def test_a_free_run_under_a_grammar_queues_each_pass_before_reading_its_token(en
         return [t for r in rounds for t in r.token_ids], [p.logprob for r in rounds for p in r.logprobs]
 
     greedy, sampled = dict(drafter="none", logprobs=True), dict(drafter="none", temperature=0.8, seed=7, logprobs=True)
-    monkeypatch.setattr(Decoder, "_constrained_round", recording)
+    monkeypatch.setattr(decoders, "LONG_RUN", 1)
+    monkeypatch.setattr(decoders.Decoder, "_constrained_round", recording)
     queued = [answer(**greedy), answer(**sampled)]
-    monkeypatch.setattr(Decoder, "_constrained_round", unqueued)
+    monkeypatch.setattr(decoders.Decoder, "_constrained_round", unqueued)
     alone = [answer(**greedy), answer(**sampled)]
     assert queued[0][0] == plain_outputs[kind][0]
     assert sum(started_queued) >= len(queued[0][0]) // 4  # each free run's rounds after its first
     for (tokens, logprobs), (tokens_alone, logprobs_alone) in zip(queued, alone):
         assert tokens == tokens_alone  # (a row from a one-token pass differs from one of a longer pass by rounding)
         assert logprobs == pytest.approx(logprobs_alone, abs=1e-4)
+
+
+def test_rounds_queue_passes_inside_long_free_runs_only(engine, monkeypatch):
+    """A form's short values (a forced run after every few free tokens) queue no pass, which would cost each forced
+    run a pass of its own; free text under a grammar that forces nothing queues its passes."""
+    from runner import decoders
+
+    round_ = decoders.Decoder._constrained_round
+    started_queued = []
+
+    def recording(self, budget, k, pipeline=None):
+        started_queued.append(self._pass is not None)
+        return round_(self, budget, k, pipeline)
+
+    monkeypatch.setattr(decoders.Decoder, "_constrained_round", recording)
+    fields = {f"field_{i}": {"type": "integer", "minimum": 0, "maximum": 99} for i in range(8)}
+    form = {"type": "object", "properties": fields, "required": list(fields), "additionalProperties": False}
+    run(engine, json.dumps({"json_schema": form}), drafter="none", max_tokens=96)
+    short_runs = list(started_queued)
+    started_queued.clear()
+    run(engine, json.dumps({"regex": "[a-z ]{1,400}"}), drafter="none", max_tokens=48)
+    assert sum(short_runs) <= len(short_runs) // 4
+    assert sum(started_queued) >= len(started_queued) // 2
 
 
 def test_a_bad_grammar_is_refused_naming_the_field(engine):
