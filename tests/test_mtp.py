@@ -244,3 +244,15 @@ def test_batched_requests_equal_their_answers_alone(trained):
         worker.stop(cancel_running=True)
         worker.join(10)
     assert got == alone
+
+
+def test_a_long_generation_releases_the_pool_as_it_crosses_256(trained):
+    """The release rule with the MTP layer drafting (drafts kept: rounds of several tokens): a release in the round
+    that crosses 256 generated tokens, the output the target's."""
+    engine = trained[0]
+    fields = dict(prompt=PROMPT, max_tokens=280, ignore_eos=True, cache_prompt=False)
+    plain = collect(engine.generate(GenerationRequest(**fields, drafter="none")))[0]
+    tokens, _, last = collect(engine.generate(GenerationRequest(**fields, drafter="mtp", num_draft_tokens=3)))
+    assert tokens == plain
+    assert last.stats.accepted > 0 and last.stats.releases >= 1
+    assert 256 <= last.stats.release_positions[0] < 256 + 4
