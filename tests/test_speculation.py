@@ -190,8 +190,8 @@ def test_a_one_pass_drafter_climbs_where_its_deeper_drafts_cost_no_more_passes()
     """A block drafter (runner.block) drafts any depth in one pass: a drafted round costs that pass plus a
     verification that grows a little with k; plain rounds pay neither. The line through k = 0 and k = 1 takes the
     draft pass for a cost per draft, and the controller climbs only as probes find out; told the cost shape, it
-    expects the deeper rounds to cost what k = 1 does and climbs at once (seeds 0-9, first 60 rounds: 26.9 vs
-    48.0 rounds at k >= 4 on average)."""
+    expects the deeper rounds to cost what k = 1 does and climbs at once (seeds 0-9, first 60 rounds: 38.1 vs
+    47.3 rounds at k >= 4 on average; 26.9 vs 48.0 before the controller took the deepest of near-equal depths)."""
     seconds = {0: 0.040, **{k: 0.055 + 0.001 * k for k in range(1, 7)}}
     deep = {}
     for one_pass in (False, True):
@@ -201,7 +201,38 @@ def test_a_one_pass_drafter_climbs_where_its_deeper_drafts_cost_no_more_passes()
             assert controller.for_request().one_pass == one_pass
             steady(controller, 60, seconds, 0.7, random.Random(seed))
             deep[one_pass] += sum(controller.histogram[k] for k in range(4, 7))
-    assert deep[True] > 400 and deep[True] > 1.4 * deep[False]
+    assert deep[True] > 400 and deep[True] > 1.15 * deep[False]
+
+
+def test_a_run_of_rejected_drafts_does_not_hold_a_request_at_plain_decoding():
+    """Acceptance comes in runs: a few rejected drafts in a row drop a request that usually keeps ~75% to plain
+    decoding, where it sees no drafts. What they said fades toward the runner's typical request as plain rounds go
+    by, so it drafts again without waiting for a probe to be kept (none runs here)."""
+    seconds = {0: 0.0078, **{k: 0.0098 + 0.0025 * k for k in range(1, 7)}}  # the default pair's, measured
+    runner = DepthController(max_depth=6, probe_every=1000, max_probe_every=1000)
+    runner.profile = [0.75, 0.85, 0.85, 0.85, 0.85, 0.85]
+    request = runner.for_request()
+    for k, t in seconds.items():
+        request.record(k, k if k else 0, t)
+    for _ in range(6):  # a hard stretch: every draft rejected
+        request.record(1, 0, seconds[1])
+    assert request.best() == 0
+    plain = 0
+    while request.choose() == 0 and plain < 30:
+        request.record(0, 0, seconds[0])
+        plain += 1
+    assert plain < 15
+
+
+def test_of_depths_about_as_fast_it_takes_the_deepest():
+    """Within MARGIN of the fastest, the deeper depth: its rounds keep the deeper positions' acceptance current;
+    a depth clearly slower is not taken."""
+    controller = DepthController(max_depth=3)
+    controller.profile = [0.8] * 3
+    expected = [controller.expected_tokens(k) for k in range(4)]
+    for rates, best in (((100, 101, 102, 100.5), 3), ((100, 101, 104, 100.5), 2)):  # tokens per second at k = 0..3
+        controller.seconds = {k: expected[k] / rate for k, rate in enumerate(rates)}
+        assert controller.best() == best
 
 
 def test_each_request_learns_its_own_acceptance_and_shares_the_round_times():
@@ -220,8 +251,9 @@ def test_each_request_learns_its_own_acceptance_and_shares_the_round_times():
     assert copying.best() >= 4 and copying.acceptance[0] > 0.85  # 0.95 kept, one round of prose prior
     assert runner.acceptance[0] == prose  # the runner's starting point moves when the request ends, not per round
     copying.finish()
-    # A quarter of the way from what the earlier requests kept to what this one kept.
-    assert runner.acceptance[0] == pytest.approx(prose + 0.25 * (copying.acceptance[0] - prose))
+    # A quarter of the way from what the earlier requests kept to what this one kept (the share of its rounds).
+    kept = copying.kept_in_all[0] / copying.reached[0]
+    assert kept > 0.85 and runner.acceptance[0] == pytest.approx(prose + 0.25 * (kept - prose))
     assert copying.acceptance[0] - runner.acceptance[0] > 0.3  # the next request starts nearer prose than copying
 
 
