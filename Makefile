@@ -10,7 +10,7 @@ WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
 DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 MLX_BACKEND ?= $(if $(DRIVER),$(if $(shell [ $(DRIVER) -ge 580 ] && echo y),cuda13,cuda12),cpu)
 
-.PHONY: install proto lint format test bench models reasoning-model real-model embedding-model vocabularies vision-model mtp-model drafter-heads drafter-heads-long clients browser run clean
+.PHONY: install proto lint format test bench models reasoning-model real-model embedding-model vocabularies vision-model mtp-model drafter-heads drafter-heads-long block-model clients browser run clean
 
 install: $(VENV)/.installed
 
@@ -58,6 +58,15 @@ vision-model: install real-model
 mtp-model: install real-model
 	$(BIN)/python models/train_mtp.py
 
+# Block drafters (runner/block.py, DFlash's layout) trained for SmolLM2 and the default pair's target, and a
+# random-weight stand-in for a published DFlash checkpoint, into models/block (git-ignored), for issue #41's tests
+# (about 6 minutes; again only when their sources change).
+block-model: models/block/.built
+
+models/block/.built: models/train_block.py models/drafter_data.py runner/block.py | install real-model
+	$(WITH_BLAS) $(BIN)/python models/train_block.py
+	touch $@
+
 # EAGLE-style drafter heads trained here (issue #41 item 2: runner/head.py, models/train_drafter.py) for the default
 # pair's target, SmolLM2 and Gemma 3 270M, into models/heads (outside git), for the tests: short trainings (about
 # 4 minutes in all on 2 cores), each run again only when the training code changes. `make drafter-heads-long`
@@ -101,7 +110,7 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: install lint real-model embedding-model vocabularies vision-model mtp-model drafter-heads clients browser
+test: install lint real-model embedding-model vocabularies vision-model mtp-model drafter-heads block-model clients browser
 	$(WITH_BLAS) $(BIN)/python -m pytest -q
 
 bench: install real-model vision-model embedding-model

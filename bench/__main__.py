@@ -16,6 +16,7 @@ SECTIONS = (
     "speculation",
     "mtp",
     "head",
+    "block",
     "release_rule",
     "runner",
     "supervisor",

@@ -74,6 +74,7 @@ class BlockConfig:
     attention_bias: bool = False
     is_causal: bool = False
     target: str | None = None  # the identity of the target it was trained on (ours); None in public checkpoints
+    draft_vocab_size: int = 0  # ours: drafts only from these many of the target's tokens (``draft_vocab``); 0 = all
 
     @classmethod
     def from_dict(cls, config: dict) -> BlockConfig:
@@ -102,6 +103,7 @@ class BlockConfig:
             attention_bias=bool(config.get("attention_bias", False)),
             is_causal=bool(dflash.get("is_causal", config.get("is_causal")) or False),
             target=dflash.get("target"),
+            draft_vocab_size=int(dflash.get("draft_vocab_size", 0)),
         )
 
 
@@ -175,6 +177,8 @@ class BlockDraftModel(nn.Module):
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = [BlockLayer(config) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.draft_vocab_size:  # the token ids it drafts from, sorted (EAGLE-3's d2t, as ids)
+            self.draft_vocab = mx.zeros((config.draft_vocab_size,), dtype=mx.int32)
         self._rope = initialize_rope(
             config.head_dim,
             base=config.rope_theta,
@@ -245,9 +249,28 @@ def load_block(folder, target) -> BlockDraftModel:
     except ValueError as error:
         raise BlockError(f"{folder}: {error}") from None
     text = _text_model(target.model)
+    vocab = text.model.embed_tokens.weight.shape[0]
+    if config.draft_vocab_size and int(model.draft_vocab.max()) >= vocab:
+        raise BlockError(f"its draft vocabulary reaches past {target.path.name}'s ({vocab} tokens)")
     model.set_dtype(mx.float32 if target.dtype == "float32" else text.model.embed_tokens.weight.dtype)
     mx.eval(model.parameters())
     return model
+
+
+def rows_head(model, ids: mx.array):
+    """The target's LM head over the tokens ``ids`` only (a linear map to len(ids) logits)."""
+    text = _text_model(model)
+    head = lm_head(model)
+    if getattr(head, "__self__", None) is text.model.embed_tokens:  # tied: the embedding's rows
+        rows = text.model.embed_tokens(ids)
+    elif hasattr(head, "scales"):  # a quantized head: its rows dequantized
+        rows = mx.dequantize(
+            head.weight[ids], head.scales[ids], head.biases[ids], group_size=head.group_size, bits=head.bits
+        )
+    else:
+        rows = head.weight[ids]
+    mx.eval(rows)
+    return lambda hidden: hidden @ rows.T
 
 
 # -- the target's hidden states ----------------------------------------------------------------------------------
@@ -370,8 +393,9 @@ class BlockDrafter:
     def __init__(self, model, block: BlockDraftModel):
         text = _text_model(model)
         self.embed = text.model.embed_tokens
-        self.head = lm_head(model)
         self.block = block
+        self.vocab = getattr(block, "draft_vocab", None)
+        self.head = lm_head(model) if self.vocab is None else rows_head(model, self.vocab)
         self.size = block.config.block_size
         self.taps = install_taps(model, block.config.target_layer_ids)
         self.features = Features()
@@ -395,8 +419,13 @@ class BlockDrafter:
         logits = self.head(hidden[0, 1 : k + 1])
         if params.greedy:
             tokens = mx.argmax(logits, axis=-1)
+            tokens = tokens if self.vocab is None else self.vocab[tokens]
             mx.async_eval(tokens)
             return Proposal(tokens.astype(mx.uint32), None)
+        if self.vocab is not None:  # the verifier's q is over the whole vocabulary: the others get none
+            full = mx.full((k, self.embed.weight.shape[0]), -mx.inf, dtype=logits.dtype)
+            full[:, self.vocab] = logits
+            logits = full
         probs, tokens = [], []
         for i, step_key in enumerate(mx.random.split(key, k)):
             tokens.append(draft_token(logits[i], params, step_key, probs))
