@@ -234,9 +234,10 @@ class RunnerSettings:
     drafter: str = setting(
         "",
         "str",
-        'what drafts: "model" (the draft), "mtp" (the target\'s own MTP layer), "block" (the block drafter in '
-        'block), "ngram" (lookup in the context) or "none"; default: model when there is a draft, else mtp where '
-        "the target has MTP layers, else block when block is set, else ngram",
+        'what drafts: "model" (the draft), "mtp" (the target\'s own MTP layer), "head" (the drafter head in head), '
+        '"block" (the block drafter in block), "ngram" (lookup in the context) or "none"; default: model when there '
+        "is a draft, else mtp where the target has MTP layers, else head when head is set, else block when block is "
+        "set, else ngram",
     )
     block: Path | None = setting(
         None,
