@@ -56,6 +56,10 @@ QUEUE_CONSTRAINED_PASSES = True  # constrained rounds queue their token's pass b
 # ... from this many free tokens into a run without forced ones, or where this request's runs are that long (see
 # ``Decoder._queues_pass``).
 LONG_RUN = 8
+# Where a prompt-cache entry keeps a drafter layer's own cache (runner.mtp's, runner.head's), after the target's
+# (index 0) and the draft model's (1, empty when there is none): one place per kind, so a request drafting with
+# one never takes the other's.
+LAYER_SLOTS = {"mtp": 2, "head": 3}
 
 
 @dataclass
@@ -596,4 +600,8 @@ class SpeculativeDecoder(Decoder):
                 held = drafter.held
                 caches.append(drafter.cache)
             # else (plain or batched rounds it never saw): the target alone; a later draft prefills again
+        slot = LAYER_SLOTS.get(self.drafter.name)
+        layer = self.drafter.layer_state(held) if slot is not None else None
+        if layer is not None:
+            caches += [[] for _ in range(slot - len(caches))] + [[layer]]
         return self.tokens[:held], caches

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import psutil
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from common.defaults import DEFAULT_NUM_DRAFT_TOKENS
 from common.errors import InvalidRequest, ModelLoadError, TokenizerMismatch
@@ -40,7 +40,7 @@ from common.tool_calls import detect
 from .adapters import AdaptedModel, with_adapters
 from .batch_memory import CacheCost
 from .constraint import Grammars
-from .decoders import Decoder, PlainDecoder, SpeculativeDecoder
+from .decoders import LAYER_SLOTS, Decoder, PlainDecoder, SpeculativeDecoder
 from .depth import DepthController, FixedDepth
 from .drafters import ModelDrafter, NgramDrafter
 from .kv_quant import KVQuantization
@@ -561,6 +561,22 @@ class Engine:
             decoder.penalties.count(list(request.resume_ids))  # a resumed answer's tokens so far
         return decoder
 
+    @staticmethod
+    def _layer_state(reuse: Hit, drafter: str) -> tuple:
+        """(the drafter layer's cache, the positions it holds pairs for) that a prompt-cache hit brings for a request
+        drafting with ``drafter`` ("mtp", "head"): the pairs of the positions before the hit's last token, which
+        the request runs again (so its target cache must be trimmable); (None, 0) when it brings none."""
+        slot = LAYER_SLOTS[drafter]
+        if not reuse.caches or len(reuse.caches) <= slot or not reuse.caches[slot]:
+            return None, 0
+        if not can_trim_prompt_cache(reuse.caches[0]):
+            return None, 0
+        layer = reuse.caches[slot][0]
+        pairs = min(layer.offset, reuse.tokens - 1)
+        if layer.offset > pairs:
+            layer.trim(layer.offset - pairs)
+        return layer, pairs
+
     def _decoder(self, prepared: PreparedRequest, reuse: Hit) -> Decoder:
         request = prepared.request
         drafter = request.drafter or self.default_drafter
@@ -575,17 +591,20 @@ class Engine:
             return PlainDecoder(self._request_model(prepared), prepared.prompt_ids, prepared.params, key, cache, held)
         depth = FixedDepth(pinned) if pinned is not None else self.depth[drafter].for_request()
         if drafter == "model":
-            draft_cache, draft_held = (
-                (reuse.caches[1], reuse.tokens) if reuse.caches and len(reuse.caches) > 1 else (None, 0)
-            )
+            kept = reuse.caches[1] if reuse.caches and len(reuse.caches) > 1 else None  # empty: no draft's cache
+            draft_cache, draft_held = (kept, reuse.tokens) if kept else (None, 0)
             source = ModelDrafter(self.draft.model, draft_cache, draft_held)
         elif drafter in ("mtp", "head"):
+            layer, pairs = self._layer_state(reuse, drafter)
+            if layer is not None:  # the prefix's last token runs again: its hidden state continues the layer's pairs
+                trim_prompt_cache(cache, 1)
+                held -= 1
             if drafter == "mtp":
-                source = MTPDrafter(self.target.model, self.target.mtp)
+                source = MTPDrafter(self.target.model, self.target.mtp, layer, pairs)
             else:
                 from .head import HeadDrafter
 
-                source = HeadDrafter(self.target.model, self.head)
+                source = HeadDrafter(self.target.model, self.head, layer, pairs)
             # The target as this request calls it: mlx-lm's inner model, then its head, the hidden states kept.
             target = HiddenModel(self._request_model(prepared), source.hidden)
             return SpeculativeDecoder(target, prepared.prompt_ids, prepared.params, key, source, depth, cache, held)

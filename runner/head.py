@@ -180,6 +180,6 @@ class HeadDrafter(MTPDrafter):
 
     name = "head"
 
-    def __init__(self, model, head: EagleHead):
-        super().__init__(model, head)
+    def __init__(self, model, head: EagleHead, cache=None, held: int = 0):
+        super().__init__(model, head, cache, held)
         self.head = head.draft_head(self.head)

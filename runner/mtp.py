@@ -39,6 +39,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .drafters import Proposal, draft_token
+from .prompt_cache import trimmed_copy
 from .sampling import SamplingParams
 
 
@@ -254,14 +255,27 @@ class MTPDrafter:
 
     name = "mtp"
 
-    def __init__(self, model, mtp):
+    def __init__(self, model, mtp, cache: KVCache | None = None, held: int = 0):
+        """``cache`` and ``held``: a layer state the prompt cache kept (``layer_state``), holding the pairs of the
+        first ``held`` positions."""
         self.text = _text_model(model)
         self.embed = self.text.model.embed_tokens
         self.head = lm_head(model)
         self.mtp = mtp
-        self.cache = KVCache()
+        self.cache = cache if cache is not None else KVCache()
         self.hidden: dict[int, mx.array] = {}  # target position -> its hidden state (1, 1, width)
-        self.held = 0  # context positions its cache covers: pairs (h_i, token i+1) for i < held
+        self.held = held  # context positions its cache covers: pairs (h_i, token i+1) for i < held
+        self.whole = True  # its cache holds a pair for every position before ``held`` (none was missing)
+
+    def layer_state(self, tokens: int) -> KVCache | None:
+        """For the prompt cache's entry of the context's first ``tokens`` tokens: a copy of its cache holding the
+        pairs that lie within them (positions before ``tokens`` - 1), or None where positions are missing from it
+        (a prompt-cache hit's prefix it was not given, batched rounds): its cache's entries are then no longer
+        its positions."""
+        pairs = min(self.held, tokens - 1)
+        if not self.whole or pairs <= 0:
+            return None
+        return trimmed_copy([self.cache], pairs)[0]
 
     def propose(self, context: list[int], k: int, params: SamplingParams, key) -> Proposal | None:
         if k <= 0:
@@ -270,6 +284,8 @@ class MTPDrafter:
         positions = [i for i in range(self.held, last) if i in self.hidden]
         if not positions:
             return None  # nothing of the target's to draft from (yet)
+        if positions != list(range(self.held, last)):
+            self.whole = False
         hidden = mx.concatenate([self.hidden[i] for i in positions], axis=1)
         following = mx.array([context[i + 1] for i in positions])[None]
         for i in [i for i in self.hidden if i < last]:  # in place: the target's HiddenModel writes here

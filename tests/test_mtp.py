@@ -175,10 +175,12 @@ def test_its_incremental_drafts_equal_drafts_from_scratch_when_drafts_are_kept(t
 
 
 def test_after_a_prompt_cache_hit_it_drafts_from_what_the_target_runs(trained):
-    """A hit's prefix never runs through the target in this request, so the layer has no hidden states for it: it
-    drafts from the positions after it, and the output is still the target's. Through the worker, as a runner serves
-    it: the hybrid Qwen3.5's recurrent layers cannot be trimmed back, so only its prefilled state serves the same
-    prompt again, which the worker keeps for a prompt past ``KEEP_PREFILL_TOKENS`` (``Engine.keep_prefill``)."""
+    """A hit's prefix never runs through the target in this request. The entry keeps the MTP layer's cache beside
+    the target's, and the prefix's last token runs again, so the layer goes on from where it was: the same drafts
+    as without the hit (DeepSeek-V3). The hybrid Qwen3.5's recurrent layers cannot be trimmed back to run that token
+    again: its layer drafts from the positions after the hit; the output is the target's either way. Through the
+    worker, as a runner serves it: only a prefilled state serves the hybrid's same prompt again, which the worker
+    keeps for a prompt past ``KEEP_PREFILL_TOKENS`` (``Engine.keep_prefill``)."""
     from runner.engine import KEEP_PREFILL_TOKENS
     from runner.worker import MlxWorker
 
@@ -200,6 +202,8 @@ def test_after_a_prompt_cache_hit_it_drafts_from_what_the_target_runs(trained):
     (first, _, cold), (tokens, _, warm) = answers
     assert cold.stats.cached_tokens == 0 and warm.stats.cached_tokens > KEEP_PREFILL_TOKENS
     assert first == tokens == expected and warm.stats.drafted > 0
+    if engine.trimmable:
+        assert (warm.stats.drafted, warm.stats.accepted) == (cold.stats.drafted, cold.stats.accepted)
 
 
 @pytest.mark.parametrize(
