@@ -14,6 +14,7 @@ from common.cpu_blas import reexec_with_fast_blas
 
 SECTIONS = (
     "speculation",
+    "depth",
     "mtp",
     "head",
     "block",
