@@ -68,9 +68,10 @@ models/block/.built: models/train_block.py models/drafter_data.py runner/block.p
 	touch $@
 
 # EAGLE-style drafter heads trained here (issue #41 item 2: runner/head.py, models/train_drafter.py) for the default
-# pair's target, SmolLM2 and Gemma 3 270M, into models/heads (outside git), for the tests: short trainings (about
-# 4 minutes in all on 2 cores), each run again only when the training code changes. `make drafter-heads-long`
-# trains the default target's and SmolLM2's again for longer (the benchmark's heads, docs/benchmarks.md).
+# pair's target, SmolLM2 and Gemma 3 270M, into models/heads (outside git), for the tests: short trainings
+# (2 min 54 s, 4 min 51 s and 1 min 8 s on 2 cores shared with other jobs), run again only when the training code
+# changes. `make drafter-heads-long` trains the default target's and SmolLM2's again for longer (the benchmark's
+# heads, docs/benchmarks.md).
 HEAD_TRAIN = $(WITH_BLAS) $(BIN)/python -m models.train_drafter
 drafter-heads: models/heads/default/config.json models/heads/smollm2/config.json models/heads/gemma3-270m/config.json
 
