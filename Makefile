@@ -85,8 +85,9 @@ models/heads/gemma3-270m/config.json: models/train_drafter.py models/drafter_dat
 	$(HEAD_TRAIN) --target models/gemma3-270m --out models/heads/gemma3-270m --prompts 16 --tokens 24 --epochs 1 --held-out 4
 
 drafter-heads-long: install real-model
-	$(HEAD_TRAIN) --target models/default/target --out models/heads/default --prompts 256 --tokens 96 --epochs 8 --lr 2e-3
-	$(HEAD_TRAIN) --target models/smollm2 --out models/heads/smollm2 --prompts 128 --tokens 96 --epochs 5 --lr 2e-3
+	$(HEAD_TRAIN) --target models/default/target --out models/heads/default --prompts 256 --tokens 96 --epochs 6 --lr 2e-3
+	$(HEAD_TRAIN) --target models/smollm2 --out models/heads/smollm2 --prompts 128 --tokens 96 --epochs 6 --lr 3e-3 \
+		--unroll 1
 
 # The clients the tests run that are not Python packages: Claude Code from npm, into .clients (outside git).
 CLAUDE_CODE := @anthropic-ai/claude-code@2.1.197
