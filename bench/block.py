@@ -67,16 +67,16 @@ class Verdicts:
         print()
 
 
-def block_rows(engine: Engine, tokens: int, chat: bool, verdicts: Verdicts) -> list:
+def block_rows(engine: Engine, tokens: int, chat: bool, verdicts: Verdicts, depths=DEPTHS) -> list:
     def fixed(k):
         run = lambda p: ours(engine, p, tokens, chat, drafter="block", num_draft_tokens=k)  # noqa: E731
         return (lambda p: verdicts.run(p, run)) if k == 6 else run
 
-    rows = [(f"ours, block drafter, k = {k}", fixed(k)) for k in DEPTHS]
+    rows = [(f"ours, block drafter, k = {k}", fixed(k)) for k in depths]
     return rows + [("ours, block drafter, adaptive", lambda p: ours(engine, p, tokens, chat, drafter="block"))]
 
 
-def run(pair_tokens: int = 256, smol_tokens: int = 128, prompts_per_kind: int = 2) -> None:
+def run(pair_tokens: int = 256, smol_tokens: int = 96, prompts_per_kind: int = 2) -> None:
     if not (BLOCK_DIR / "smollm2").is_dir():
         print("models/block is missing: make block-model\n")
         return
@@ -107,7 +107,7 @@ def _smol(n: int, prompts_per_kind: int) -> None:
                 "ours, n-gram, adaptive (the default without a block drafter)",
                 lambda p: ours(smol, p, n, True, drafter="ngram"),
             ),
-            *block_rows(smol, n, True, verdicts),
+            *block_rows(smol, n, True, verdicts, depths=(3, 6)),
         ]
         title = f"SmolLM2-135M-Instruct with its block drafter, {smol.target.compute_dtype}"
         table(title, smol, n, True, rows, prompts_per_kind)

@@ -79,7 +79,14 @@ def spec(name: str) -> dict:
             lr=3e-3,
         ),
         "smollm2": dict(
-            target=ROOT / "models" / "smollm2", chat=True, prompts=160, tokens=96, layers=1, steps=600, lr=2e-3
+            target=ROOT / "models" / "smollm2",
+            chat=True,
+            prompts=160,
+            tokens=96,
+            layers=1,
+            steps=400,
+            lr=3e-3,
+            normalize_taps=True,
         ),
     }[name]
 
@@ -300,6 +307,8 @@ def new_drafter(settings, target, layers, mask_id, data, hidden_layers: int, see
     target_config = json.loads((Path(settings["target"]) / "config.json").read_text())
     vocab = draft_vocabulary(data, _text_model(target).model.embed_tokens.weight.shape[0])
     extra = {"target": target_identity(settings["target"])}
+    if settings.get("normalize_taps"):
+        extra["normalize_taps"] = True
     if vocab is not None:
         extra["draft_vocab_size"] = len(vocab)
     config = dflash_config(target_config, layers, mask_id, BLOCK_SIZE, hidden_layers, **extra)

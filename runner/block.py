@@ -75,6 +75,7 @@ class BlockConfig:
     is_causal: bool = False
     target: str | None = None  # the identity of the target it was trained on (ours); None in public checkpoints
     draft_vocab_size: int = 0  # ours: drafts only from these many of the target's tokens (``draft_vocab``); 0 = all
+    normalize_taps: bool = False  # ours: each tapped layer's hidden state RMS-normalised before ``fc``
 
     @classmethod
     def from_dict(cls, config: dict) -> BlockConfig:
@@ -104,6 +105,7 @@ class BlockConfig:
             is_causal=bool(dflash.get("is_causal", config.get("is_causal")) or False),
             target=dflash.get("target"),
             draft_vocab_size=int(dflash.get("draft_vocab_size", 0)),
+            normalize_taps=bool(dflash.get("normalize_taps", False)),
         )
 
 
@@ -189,6 +191,9 @@ class BlockDraftModel(nn.Module):
 
     def context(self, features, offset):
         """Per layer, the (keys, values) of the target's ``features`` (B, L, taps * width) at ``offset``."""
+        if self.config.normalize_taps:  # a real model's early layers carry outlier channels that swamp ``fc``
+            parts = mx.split(features, len(self.config.target_layer_ids), axis=-1)
+            features = mx.concatenate([mx.fast.rms_norm(p, None, self.config.rms_norm_eps) for p in parts], axis=-1)
         x = self.hidden_norm(self.fc(features))
         return [layer.self_attn.keys_values(x, self._rope, offset) for layer in self.layers]
 
