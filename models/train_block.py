@@ -67,7 +67,17 @@ ANCHORS = 48
 DRAFT_VOCAB = 8192  # a larger vocabulary is cut to the target's most written tokens (the head's cost)
 
 
+QUICK: set[str] = set()  # drafters trained briefly, for the tests (``--quick``): greedy output, not acceptance
+
+
 def spec(name: str) -> dict:
+    settings = _specs()[name]
+    if name in QUICK:
+        settings.update(prompts=16, tokens=24, steps=40)
+    return settings
+
+
+def _specs() -> dict:
     return {
         "default": dict(
             target=ROOT / "models" / "default" / "target",
@@ -88,7 +98,7 @@ def spec(name: str) -> dict:
             lr=3e-3,
             normalize_taps=True,
         ),
-    }[name]
+    }
 
 
 def taps_for(layers: int) -> list[int]:
@@ -344,7 +354,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--only", nargs="*", default=["dflash_random", "default", "smollm2"])
+    parser.add_argument("--quick", nargs="*", default=[], help="train these briefly (the tests' SmolLM2 drafter)")
     args = parser.parse_args()
+    QUICK.update(args.quick)
     for name in args.only:
         if name == "dflash_random":
             build_random(args.out)
