@@ -48,6 +48,26 @@ def most_active(worker):
         watcher.join()
 
 
+def batched_and_alone(engine, prompts: list[str], **fields) -> tuple[list, list]:
+    """Each prompt's tokens decoded together through a worker (asserted batched), and each alone (``Engine.generate``):
+    (batched, alone)."""
+    from runner.request import GenerationRequest
+    from runner.worker import MlxWorker
+
+    alone = [collect(engine.generate(GenerationRequest(prompt=p, **fields)))[0] for p in prompts]
+    worker = MlxWorker(engine, max_queue=8, max_batch=4)
+    worker.start()
+    try:
+        steps = worker.batched_steps
+        jobs = [worker.submit(engine.prepare(GenerationRequest(prompt=p, **fields))) for p in prompts]
+        batched = [[t for r in job.results() for t in r.token_ids] for job in jobs]
+        assert worker.batched_steps > steps
+    finally:
+        worker.stop(cancel_running=True)
+        worker.join(10)
+    return batched, alone
+
+
 def draft_with_swapped_vocabulary(folder):
     """A copy of the default draft whose tokenizer has the same size but two ids swapped."""
     shutil.copytree(DEFAULT_DRAFT, folder)

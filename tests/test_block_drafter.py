@@ -18,7 +18,7 @@ from common.requests import InvalidRequest
 from common.settings import RunnerSettings
 from runner.engine import Engine
 from runner.request import GenerationRequest
-from tests.helpers import collect
+from tests.helpers import batched_and_alone, collect
 
 BLOCK_DIR = Path(__file__).resolve().parents[1] / "models" / "block"
 PROMPT = "The while statement is used for repeated execution as long as an expression is true"
@@ -142,24 +142,10 @@ def test_under_a_grammar_greedy_equals_plain(block, grammar):
 def test_batched_requests_equal_their_answers_alone(block):
     """Rows decoded together run through the target's batch, not through TappedModel: the drafter misses those
     positions, the output does not change."""
-    from runner.worker import MlxWorker
-
     engine, plain = block
     prompts = [PROMPT, "A class definition defines a class object", PROMPT]
-    fields = dict(max_tokens=TOKENS, ignore_eos=True, cache_prompt=False)
-    alone = [collect(engine.generate(GenerationRequest(prompt=p, **fields)))[0] for p in prompts]
-    assert alone[0] == plain
-    worker = MlxWorker(engine, max_queue=8, max_batch=4)
-    worker.start()
-    try:
-        steps = worker.batched_steps
-        jobs = [worker.submit(engine.prepare(GenerationRequest(prompt=p, **fields))) for p in prompts]
-        got = [[t for r in job.results() for t in r.token_ids] for job in jobs]
-        assert worker.batched_steps > steps
-    finally:
-        worker.stop(cancel_running=True)
-        worker.join(10)
-    assert got == alone
+    batched, alone = batched_and_alone(engine, prompts, max_tokens=TOKENS, ignore_eos=True, cache_prompt=False)
+    assert alone[0] == plain and batched == alone
 
 
 def test_a_long_generation_releases_the_pool_as_it_crosses_256(block):

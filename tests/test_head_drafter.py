@@ -19,7 +19,7 @@ from common.requests import InvalidRequest
 from common.settings import RunnerSettings, SettingsError
 from runner.engine import Engine
 from runner.request import GenerationRequest
-from tests.helpers import collect
+from tests.helpers import batched_and_alone, collect
 
 HEADS = Path(__file__).resolve().parents[1] / "models" / "heads"
 TARGETS = {"default": DEFAULT_TARGET, "smollm2": SMOLLM2_DIR, "gemma3-270m": GEMMA3_DIR}
@@ -134,23 +134,11 @@ def test_under_a_grammar_greedy_equals_plain(pair_target):
 
 
 def test_batched_requests_equal_their_answers_alone(pair_target):
-    from runner.worker import MlxWorker
-
     engine, _ = pair_target
     prompts = [PROMPT, "A class definition defines a class object", PROMPT]
     fields = dict(max_tokens=TOKENS, ignore_eos=True, cache_prompt=False, drafter="head")
-    alone = [collect(engine.generate(GenerationRequest(prompt=p, **fields)))[0] for p in prompts]
-    worker = MlxWorker(engine, max_queue=8, max_batch=4)
-    worker.start()
-    try:
-        steps = worker.batched_steps
-        jobs = [worker.submit(engine.prepare(GenerationRequest(prompt=p, **fields))) for p in prompts]
-        got = [[t for r in job.results() for t in r.token_ids] for job in jobs]
-        assert worker.batched_steps > steps
-    finally:
-        worker.stop(cancel_running=True)
-        worker.join(10)
-    assert got == alone
+    batched, alone = batched_and_alone(engine, prompts, **fields)
+    assert batched == alone
 
 
 def test_the_memory_estimate_counts_the_head(tmp_path):

@@ -19,7 +19,7 @@ from common.requests import InvalidRequest
 from common.settings import RunnerSettings
 from runner.engine import Engine
 from runner.request import GenerationRequest
-from tests.helpers import collect, tiny_hybrid_model
+from tests.helpers import batched_and_alone, collect, tiny_hybrid_model
 
 MTP_DIR = Path(__file__).resolve().parents[1] / "models" / "mtp"
 LAYOUTS = ("deepseek_v3", "qwen3_5")  # each also with a trained copy
@@ -223,31 +223,10 @@ def test_under_a_grammar_greedy_equals_plain(trained, grammar):
 def test_batched_requests_equal_their_answers_alone(trained):
     """Requests decoded together run through the target's batch, not through their HiddenModel: the layer misses
     those positions (drafts get worse), the output does not change."""
-    from runner.worker import MlxWorker
-
     engine, plain = trained
     prompts = [PROMPT, "A class definition defines a class object", PROMPT]
-    alone = [
-        collect(engine.generate(GenerationRequest(prompt=p, max_tokens=TOKENS, ignore_eos=True, cache_prompt=False)))[0]
-        for p in prompts
-    ]
-    assert alone[0] == plain
-    worker = MlxWorker(engine, max_queue=8, max_batch=4)
-    worker.start()
-    try:
-        steps = worker.batched_steps
-        jobs = [
-            worker.submit(
-                engine.prepare(GenerationRequest(prompt=p, max_tokens=TOKENS, ignore_eos=True, cache_prompt=False))
-            )
-            for p in prompts
-        ]
-        got = [[t for r in job.results() for t in r.token_ids] for job in jobs]
-        assert worker.batched_steps > steps
-    finally:
-        worker.stop(cancel_running=True)
-        worker.join(10)
-    assert got == alone
+    batched, alone = batched_and_alone(engine, prompts, max_tokens=TOKENS, ignore_eos=True, cache_prompt=False)
+    assert alone[0] == plain and batched == alone
 
 
 def test_a_long_generation_releases_the_pool_as_it_crosses_256(trained):
