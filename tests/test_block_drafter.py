@@ -27,7 +27,7 @@ TARGETS = {"smollm2": SMOLLM2_DIR, "default": DEFAULT_TARGET}
 # Measured on the committed training (make block-model): greedy drafts kept at k = 3 over PROMPT, 0.32 on the
 # default target; the floor leaves a margin. SmolLM2's drafter keeps almost none (held out: 0.09 of first drafts;
 # docs/benchmarks.md#block): not asserted there.
-KEPT_FLOOR = {"default": 0.2}
+KEPT_FLOOR = 0.2
 
 pytestmark = pytest.mark.skipif(not (BLOCK_DIR / "smollm2").is_dir(), reason="make block-model")
 
@@ -38,14 +38,32 @@ def generate(engine, **fields):
     return tokens, last.stats
 
 
+@pytest.fixture(scope="module")
+def engines():
+    """name -> (engine, its plain greedy answer) of a target with its trained block drafter, each loaded once."""
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            engine = Engine.load(
+                TARGETS[name], settings=RunnerSettings(dtype="float32", block=BLOCK_DIR / name, prompt_cache=0)
+            )
+            loaded[name] = engine, generate(engine, drafter="none")[0]
+        return loaded[name]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=list(TARGETS))
-def block(request):
-    """(engine, its plain greedy answer) for each target with its trained block drafter."""
-    name = request.param
-    engine = Engine.load(
-        TARGETS[name], settings=RunnerSettings(dtype="float32", block=BLOCK_DIR / name, prompt_cache=0)
-    )
-    return engine, generate(engine, drafter="none")[0]
+def block(request, engines):
+    """Each target with its trained block drafter."""
+    return engines(request.param)
+
+
+@pytest.fixture(scope="module")
+def default_block(engines):
+    """The default target with its trained block drafter: what one target's check needs (quick)."""
+    return engines("default")
 
 
 def test_it_loads_and_drafts_by_default(block):
@@ -69,14 +87,11 @@ def test_greedy_with_the_adaptive_depth_equals_plain(block):
     assert tokens == plain and stats.drafter == "block"
 
 
-def test_its_drafts_are_kept(block):
+def test_its_drafts_are_kept(default_block):
     """A trained drafter's drafts are kept often enough to matter (what a random one never does)."""
-    engine, _ = block
-    floor = KEPT_FLOOR.get(engine.settings.block.name)
-    if floor is None:
-        pytest.skip("SmolLM2's block drafter keeps almost no drafts (docs/benchmarks.md#block)")
+    engine, _ = default_block
     _, stats = generate(engine, drafter="block", num_draft_tokens=3)
-    assert stats.accepted >= floor * stats.drafted
+    assert stats.accepted >= KEPT_FLOOR * stats.drafted
     assert stats.rounds < TOKENS  # rounds that kept drafts emitted several tokens
 
 
@@ -148,11 +163,9 @@ def test_batched_requests_equal_their_answers_alone(block):
     assert alone[0] == plain and batched == alone
 
 
-def test_a_long_generation_releases_the_pool_as_it_crosses_256(block):
+def test_a_long_generation_releases_the_pool_as_it_crosses_256(default_block):
     """The release rule with the block drafter: a release in the round that crosses 256 generated tokens."""
-    engine, _ = block
-    if engine.target.path != Path(DEFAULT_TARGET):
-        pytest.skip("the default target's is enough (and quick)")
+    engine, _ = default_block
     plain = generate(engine, drafter="none", max_tokens=280)[0]
     tokens, stats = generate(engine, drafter="block", num_draft_tokens=4, max_tokens=280)
     assert tokens == plain
@@ -188,13 +201,12 @@ def test_a_folder_for_another_target_or_none_is_refused_with_the_reason(tmp_path
     assert "no block drafter" in plain.drafters["block"] and plain.default_drafter == "ngram"
 
 
-def test_the_published_layout_is_checked_by_shape(block):
-    """A folder without a record of its target (the published layout) is refused where its shapes do not fit."""
+def test_the_published_layout_is_checked_by_shape(engines):
+    """A folder without a record of its target (the published layout, for the default target) is refused where its
+    shapes do not fit: SmolLM2's."""
     from runner.block import BlockError, load_block
 
-    engine, _ = block
-    if engine.target.path == Path(DEFAULT_TARGET):
-        pytest.skip("dflash_random is for the default target")
+    engine, _ = engines("smollm2")
     with pytest.raises(BlockError, match="width 384"):
         load_block(BLOCK_DIR / "dflash_random", engine.target)
 
@@ -213,12 +225,10 @@ def test_the_published_layout_loads_and_drafts():
         assert tokens == plain and stats.drafted > 0
 
 
-def test_a_runner_with_the_block_drafter_answers_through_the_supervisor(block, tmp_path_factory):
+def test_a_runner_with_the_block_drafter_answers_through_the_supervisor(default_block, tmp_path_factory):
     from tests.processes import SupervisorProcess, model_toml
 
-    engine, plain = block
-    if engine.target.path != Path(DEFAULT_TARGET):
-        pytest.skip("one supervisor: the default target's")
+    engine, plain = default_block
     models = model_toml("blk", draft=None, drafter="block", block=str(BLOCK_DIR / "default"), dtype="float32")
     sup = SupervisorProcess(tmp_path_factory.mktemp("block-sup"), models).wait_ready(120)
     try:
