@@ -87,7 +87,7 @@ PROBE_EVERY = 10
 MAX_PROBE_EVERY = 80
 SPIKE = 1.5  # a round counts for at most this times its depth's time
 SAMPLES = 9  # round times kept per depth; the median of them is its time
-MARGIN = 0.02  # another depth becomes the best when expected this much faster
+MARGIN = 0.02  # depths expected within this of the fastest count as as fast (the deepest of them is taken)
 
 
 def _logit(p: float) -> float:

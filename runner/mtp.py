@@ -38,19 +38,11 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from common.footprint import mtp_layers, text_config
+
 from .drafters import Proposal, draft_token
 from .prompt_cache import trimmed_copy
 from .sampling import SamplingParams
-
-
-def text_args(config: dict) -> dict:
-    return config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-
-
-def mtp_layers(config: dict) -> int:
-    """How many MTP layers the config declares (0: none)."""
-    args = text_args(config)
-    return int(args.get("num_nextn_predict_layers") or args.get("mtp_num_hidden_layers") or 0)
 
 
 def _text_model(model):
@@ -143,7 +135,7 @@ def load_mtp(folder: Path, model, config: dict, dtype: str):
     folder = Path(folder)
     text = _text_model(model)
     args = text.args
-    if "mtp_num_hidden_layers" in text_args(config):
+    if "mtp_num_hidden_layers" in text_config(config):
         tensors = _checkpoint_tensors(folder, lambda k: k.startswith("mtp.") or ".mtp." in k)
         weights = {k[k.index("mtp.") + 4 :]: v for k, v in tensors.items()}
         if not weights:
@@ -197,7 +189,7 @@ def drop_mtp_layers(model_class, config: dict):
     """A ``sanitize`` for ``model_class`` that also drops the MTP layers past ``num_hidden_layers`` (mlx-lm's
     deepseek_v3 drops only layer 61, DeepSeek-V3's own), or None where the class needs no help."""
     original = getattr(model_class, "sanitize", None)
-    args = text_args(config)
+    args = text_config(config)
     if original is None or not args.get("num_nextn_predict_layers"):
         return None
     first = int(args["num_hidden_layers"])
