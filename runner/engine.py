@@ -172,10 +172,10 @@ class Engine:
         self.cache_cost = CacheCost.measure(target.model, self.kv)
         # Whether the target's caches can be trimmed back to a shorter prefix (not a sliding window's).
         self.trimmable = all(type(layer) is KVCache for layer in make_prompt_cache(target.model))
-        # A drafter head trained here for the target (runner.head), where the settings name one.
-        self.head, self.head_problem = self._load_head(settings.head)
-        # A block drafter (runner.block), where the settings name one.
-        self.block, self.block_problem = self._load_block(settings.block)
+        # A drafter head trained here for the target (runner.head) and a block drafter (runner.block), where the
+        # settings name them.
+        self.head, self.head_problem = self._load_learned("head", settings.head)
+        self.block, self.block_problem = self._load_learned("block", settings.block)
         self.drafters = self._available_drafters()
         self.default_drafter = self._default_drafter()
         # Per runner and drafter: round time by depth, and the acceptance by position a request starts from.
@@ -232,34 +232,26 @@ class Engine:
             log.warning("prompt cache: %s cannot be used (%s): memory only", settings.prompt_cache_dir, error)
             return None
 
-    def _load_head(self, folder):
-        """(the head, "") or (None, why not); None, "" where no head is set."""
+    def _load_learned(self, kind: str, folder):
+        """(the drafter head or block drafter in ``folder``, "") or (None, why not); (None, "") where none is set."""
         if folder is None:
             return None, ""
         if self.group is not None:
             return None, "not in a runner group"
-        from .head import load_head
+        if kind == "head":
+            from .head import load_head as load
 
+            what, errors = "drafter head", (OSError, ValueError)
+        else:
+            if self.target.vision is not None:
+                return None, "not for a model that sees"
+            from .block import load_block as load
+
+            what, errors = "block drafter", (OSError, ValueError, KeyError)
         try:
-            return load_head(folder, self.target), ""
-        except (OSError, ValueError) as error:
-            log.warning("drafter head %s not used: %s", folder, error)
-            return None, f"{folder}: {error}"
-
-    def _load_block(self, folder):
-        """(the block drafter's model, "") or (None, why not); None, "" where no block folder is set."""
-        if folder is None:
-            return None, ""
-        if self.group is not None:
-            return None, "not in a runner group"
-        if self.target.vision is not None:
-            return None, "not for a model that sees"
-        from .block import load_block
-
-        try:
-            return load_block(folder, self.target), ""
-        except (OSError, ValueError, KeyError) as error:
-            log.warning("block drafter %s not used: %s", folder, error)
+            return load(folder, self.target), ""
+        except errors as error:
+            log.warning("%s %s not used: %s", what, folder, error)
             return None, f"{folder}: {error}"
 
     def _available_drafters(self) -> dict[str, str]:
@@ -278,24 +270,18 @@ class Engine:
             reasons["model"] = f"{self.draft.path.name}'s cache cannot be rewound ({self.draft.cache_description()})"
         else:
             reasons["model"] = why_not_target
-        if self.target.mtp is None:
-            reasons["mtp"] = f"{self.target.path.name} has no MTP layers (runner.mtp)"
-        elif self.adapters:
-            reasons["mtp"] = "not with LoRA adapters"
-        else:
-            reasons["mtp"] = why_not_target
-        if self.head is None:
-            reasons["head"] = self.head_problem or "no drafter head (the head setting)"
-        elif self.adapters:
-            reasons["head"] = "not with LoRA adapters"
-        else:
-            reasons["head"] = why_not_target
-        if self.block is None:
-            reasons["block"] = self.block_problem or "no block drafter (the block setting)"
-        elif self.adapters:
-            reasons["block"] = "not with LoRA adapters"
-        else:
-            reasons["block"] = why_not_target
+        # The drafters that read the target's hidden states: not under LoRA adapters.
+        for name, layer, missing in (
+            ("mtp", self.target.mtp, f"{self.target.path.name} has no MTP layers (runner.mtp)"),
+            ("head", self.head, self.head_problem or "no drafter head (the head setting)"),
+            ("block", self.block, self.block_problem or "no block drafter (the block setting)"),
+        ):
+            if layer is None:
+                reasons[name] = missing
+            elif self.adapters:
+                reasons[name] = "not with LoRA adapters"
+            else:
+                reasons[name] = why_not_target
         return reasons
 
     @property
