@@ -289,8 +289,9 @@ def test_back_to_back_http_answers_wait_for_no_delayed_ack(sup):
     """One keep-alive connection, requests one after the other, as a RAG indexer sends them: an answer leaves in
     uvicorn's two writes (headers, body), and with Nagle's algorithm on the server's sockets the body waited for
     the client's delayed ACK of the headers, 40 ms or more each time after a connection's first request (measured:
-    every one at 42-56 ms, /v1/embeddings and GET /v1/models alike; 2-14 ms without). The fastest of 20 is well
-    under 40 ms however loaded the machine is, and over 40 ms every time where the delay is back."""
+    every one at 42-56 ms, /v1/embeddings and GET /v1/models alike; 2-14 ms without). The fastest of 40 is under
+    36 ms however loaded the machine is (under load the fastest of 20 once measured past 30 ms), and over 40 ms
+    every time where the delay is back."""
     base = sup.base_url.removesuffix("/v1")
     with httpx.Client(timeout=60) as client:
         for method, path, body in (
@@ -300,11 +301,11 @@ def test_back_to_back_http_answers_wait_for_no_delayed_ack(sup):
         ):
             client.request(method, base + path, json=body).raise_for_status()  # the connection's first
             times = []
-            for _ in range(20):
+            for _ in range(40):
                 started = time.perf_counter()
                 client.request(method, base + path, json=body).raise_for_status()
                 times.append(time.perf_counter() - started)
-            assert min(times) < 0.030, (path, sorted(times)[:5])
+            assert min(times) < 0.036, (path, sorted(times)[:5])
 
 
 def test_a_runner_killed_mid_request_is_restarted_and_the_request_answered(sup, reference):
