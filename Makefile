@@ -58,13 +58,13 @@ vision-model: install real-model
 mtp-model: install real-model
 	$(BIN)/python models/train_mtp.py
 
-# Block drafters (runner/block.py, DFlash's layout) trained for SmolLM2 and the default pair's target, and a
+# Block drafters (runner/drafting/block.py, DFlash's layout) trained for SmolLM2 and the default pair's target, and a
 # random-weight stand-in for a published DFlash checkpoint, into models/block (git-ignored), for issue #41's tests
 # (the default target's: 5 min data + 6 min training on this 2-core CPU shared with two other workloads; SmolLM2's
 # briefly, for the output tests; again only when their sources change).
 block-model: models/block/.built
 
-models/block/.built: models/train_block.py models/drafter_data.py runner/block.py | install real-model
+models/block/.built: models/train_block.py models/drafter_data.py runner/drafting/block.py | install real-model
 	$(WITH_BLAS) $(BIN)/python models/train_block.py --quick smollm2
 	touch $@
 
@@ -73,7 +73,7 @@ models/block/.built: models/train_block.py models/drafter_data.py runner/block.p
 block-model-long: install real-model
 	$(WITH_BLAS) $(BIN)/python models/train_block.py --only smollm2
 
-# EAGLE-style drafter heads trained here (issue #41 item 2: runner/head.py, models/train_drafter.py) for the default
+# EAGLE-style drafter heads trained here (issue #41 item 2: runner/drafting/head.py, models/train_drafter.py) for the default
 # pair's target, SmolLM2 and Gemma 3 270M, into models/heads (outside git), for the tests: short trainings
 # (2 min 54 s for the default target's on 2 cores shared with other jobs; SmolLM2's and Gemma 3's about a minute
 # each: they check output, not acceptance), run again only when the training code

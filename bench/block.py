@@ -1,4 +1,4 @@
-"""Block drafting (runner/block.py) against plain decoding, the draft model and n-gram lookup, in one run.
+"""Block drafting (runner/drafting/block.py) against plain decoding, the draft model and n-gram lookup, in one run.
 
 bench/speculation.py's tables (its prompts, its alternation of configurations on each prompt, decode-only tok/s
 summed over the prompts of a kind), with the block drafters models/train_block.py trains (``make block-model``):
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from common.settings import RunnerSettings
-from runner.block import BlockDrafter
+from runner.drafting.block import BlockDrafter
 from runner.engine import Engine
 
 from .speculation import PROSE, ours, table

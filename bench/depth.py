@@ -1,4 +1,4 @@
-"""The adaptive depth controller (runner/depth.py) against every fixed depth, in simulation.
+"""The adaptive depth controller (runner/drafting/depth.py) against every fixed depth, in simulation.
 
 Real runs on a shared 2-core machine swing by more than the few percent this controller's choices are worth, so its
 rules are decided here first and checked by ``bench versus`` after. A simulated request emits 256 tokens; a round
@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import statistics
 
-from runner.depth import DepthController
+from runner.drafting.depth import DepthController
 
 
 def pair(k: int) -> float:

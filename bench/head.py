@@ -1,4 +1,4 @@
-"""Drafter heads trained here (runner/head.py, ``make drafter-heads``) against plain decoding, the draft model and
+"""Drafter heads trained here (runner/drafting/head.py, ``make drafter-heads``) against plain decoding, the draft model and
 n-gram lookup, on the default pair and on SmolLM2, prose and input-grounded prompts (bench/speculation.py's).
 
 In one run, in-process, the configurations taking turns on each prompt (``bench.speculation.table``): our plain

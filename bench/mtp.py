@@ -1,4 +1,4 @@
-"""MTP drafting (runner/mtp.py) against plain decoding, on the tiny checkpoints of models/train_mtp.py.
+"""MTP drafting (runner/drafting/mtp.py) against plain decoding, on the tiny checkpoints of models/train_mtp.py.
 
 Random weights: their MTP layers' drafts are almost never kept, so this measures what drafting with a layer that
 is always wrong costs; the ``*_trained`` copies' layers learnt the answer to this very prompt (overfit), so they

@@ -193,7 +193,8 @@ class ModelFootprint:
     unsplit_float32_bytes: int = 0
     vision: VisionFootprint | None = None  # a model that sees
     kind: str = "generate"  # or "embed", "rerank" (common.embedding.model_kind): no KV cache, a batch's transient
-    mtp_layers: int = 0  # multi-token-prediction layers the checkpoint carries (runner.mtp drafts with the first)
+    # multi-token-prediction layers the checkpoint carries (runner.drafting.mtp drafts with the first)
+    mtp_layers: int = 0
 
     @classmethod
     def of(cls, folder: str | Path) -> ModelFootprint:
@@ -262,7 +263,7 @@ class ModelFootprint:
     def kv_bytes(self, dtype: str, tokens: int, kv_bits: int = 0, kv_group_size: int = 64) -> int:
         """KV cache of ``tokens`` tokens, rounded up to the cache's 256-token growth step; with ``kv_bits``, each
         value takes its bits plus its group's scale and bias in the float type (runner/kv_quant.py). An MTP layer
-        (runner.mtp drafts with one) keeps a float cache of its own over the same positions."""
+        (runner.drafting.mtp drafts with one) keeps a float cache of its own over the same positions."""
         steps = -(-tokens // 256) * 256
         itemsize = self.kv_itemsize(dtype)
         per_value = kv_bits / 8 + 2 * itemsize / kv_group_size if kv_bits else itemsize

@@ -1,5 +1,5 @@
-"""What a drafter head folder (runner/head.py, trained by models/train_drafter.py) was trained for, and whether it
-fits a target: read without MLX, so the settings check a model entry before any runner starts."""
+"""What a drafter head folder (runner/drafting/head.py, trained by models/train_drafter.py) was trained for, and
+whether it fits a target: read without MLX, so the settings check a model entry before any runner starts."""
 
 from __future__ import annotations
 

@@ -242,19 +242,19 @@ class RunnerSettings:
     block: Path | None = setting(
         None,
         "path",
-        "a block drafter's folder (DFlash's layout: runner/block.py; models/train_block.py trains one): it drafts "
-        "up to its block size - 1 tokens in one pass over the target's hidden states; none = no block drafter",
+        "a block drafter's folder (DFlash's layout: runner/drafting/block.py; models/train_block.py trains one): it "
+        "drafts up to its block size - 1 tokens in one pass over the target's hidden states; none = no block drafter",
     )
     head: Path | None = setting(
         None,
         "path",
-        "an EAGLE-style drafter head's folder (runner/head.py; python -m models.train_drafter trains one for a "
-        'target): one decoder layer over the target\'s hidden states that drafts with drafter = "head" (by default '
+        "an EAGLE-style drafter head's folder (runner/drafting/head.py; python -m models.train_drafter trains one for "
+        'a target): one decoder layer over the target\'s hidden states that drafts with drafter = "head" (by default '
         "where there is no draft model and no MTP layer); refused where it was trained for another vocabulary, "
         "width or architecture",
     )
     num_draft_tokens: int | None = setting(
-        None, "depth", '"auto": the depth is chosen round by round (runner/depth.py); a number pins it'
+        None, "depth", '"auto": the depth is chosen round by round (runner/drafting/depth.py); a number pins it'
     )
     max_draft_tokens: int = setting(DEFAULT_MAX_DRAFT_TOKENS, "int", 'the deepest round "auto" tries')
     ngram_max: int = setting(DEFAULT_NGRAM_MAX, "int", "the longest context suffix n-gram lookup matches")

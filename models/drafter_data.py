@@ -162,7 +162,7 @@ def greedy_sequences(
     EOS), with its hidden states and greedy choices at every position (see the module's docstring)."""
     from mlx_lm.models.cache import BatchKVCache
 
-    from runner.mtp import _text_model, lm_head
+    from runner.drafting.mtp import _text_model, lm_head
     from runner.request import end_of_turn_ids
 
     text = _text_model(model)

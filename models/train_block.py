@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.drafter_data import greedy_sequences, load_target, prompts  # noqa: E402
-from runner.block import (  # noqa: E402
+from runner.drafting.block import (  # noqa: E402
     ARCHITECTURE,
     BlockConfig,
     BlockDraftModel,
@@ -59,7 +59,7 @@ from runner.block import (  # noqa: E402
     rows_head,
     target_identity,
 )
-from runner.mtp import _text_model, lm_head  # noqa: E402
+from runner.drafting.mtp import _text_model, lm_head  # noqa: E402
 
 OUT = ROOT / "models" / "block"
 BLOCK_SIZE = 7  # 6 drafts: the adaptive depth's deepest (max_draft_tokens' default)

@@ -35,8 +35,8 @@ from mlx.utils import tree_flatten
 
 from common.heads import KEY, config_hash
 from models.drafter_data import greedy_sequences, load_target, prompts
-from runner.head import build_head, save_head, trainable_keys
-from runner.mtp import _text_model, lm_head
+from runner.drafting.head import build_head, save_head, trainable_keys
+from runner.drafting.mtp import _text_model, lm_head
 
 
 class _PrefixCache:
@@ -268,7 +268,7 @@ def _cached(path: Path | None, key: tuple):
 
 
 def _layer_index(head, model) -> int:
-    from runner.head import full_attention_index
+    from runner.drafting.head import full_attention_index
 
     return full_attention_index(_text_model(model))
 

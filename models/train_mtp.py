@@ -1,4 +1,5 @@
-"""Build three tiny random-weight checkpoints that carry multi-token-prediction (MTP) layers, for runner.mtp's tests.
+"""Build three tiny random-weight checkpoints that carry multi-token-prediction (MTP) layers, for runner.drafting.mtp's
+tests.
 
     python models/train_mtp.py [OUT_DIR]
 
@@ -207,7 +208,7 @@ def build_deepseek(out: Path, family: str = "deepseek_v3") -> None:
     """DeepSeek-V3's layout (``family`` deepseek_v3) or GLM-4.5's, which names its MTP layer the same way (glm4_moe)."""
     import importlib
 
-    from runner.mtp import DeepseekMTP
+    from runner.drafting.mtp import DeepseekMTP
 
     out.mkdir(parents=True)
     copy_tokenizer(out)
@@ -240,7 +241,7 @@ def build_deepseek(out: Path, family: str = "deepseek_v3") -> None:
 def build_qwen(out: Path) -> None:
     from mlx_lm.models import qwen3_5
 
-    from runner.mtp import QwenMTP
+    from runner.drafting.mtp import QwenMTP
 
     out.mkdir(parents=True)
     copy_tokenizer(out)
@@ -257,8 +258,8 @@ def build_qwen(out: Path) -> None:
 
 def verify(out: Path) -> None:
     """Each loads through the runner's loader with its MTP layer, and its MTP layer drafts."""
+    from runner.drafting.mtp import HiddenModel, MTPDrafter
     from runner.loading import load_model
-    from runner.mtp import HiddenModel, MTPDrafter
     from runner.sampling import SamplingParams
 
     for name in ("deepseek_v3", "glm4_moe", "qwen3_5"):
@@ -297,8 +298,8 @@ def train(out: Path, name: str) -> None:
     import mlx.optimizers as optim
 
     from common.settings import RunnerSettings
+    from runner.drafting.mtp import HiddenModel, MTPDrafter
     from runner.engine import Engine
-    from runner.mtp import HiddenModel, MTPDrafter
     from runner.request import GenerationRequest
 
     engine = Engine.load(out / name, settings=RunnerSettings(dtype="float32", drafter="none"))

@@ -45,8 +45,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .constraint import Constraint, apply_masks
-from .depth import DepthController, FixedDepth
-from .drafters import ModelDrafter, Proposal
+from .drafting.depth import DepthController, FixedDepth
+from .drafting.drafters import ModelDrafter, Proposal
 from .penalties import Penalties
 from .prefill import PrefillPlanner
 from .rewind import Rewinder
@@ -56,9 +56,9 @@ QUEUE_CONSTRAINED_PASSES = True  # constrained rounds queue their token's pass b
 # ... from this many free tokens into a run without forced ones, or where this request's runs are that long (see
 # ``Decoder._queues_pass``).
 LONG_RUN = 8
-# Where a prompt-cache entry keeps a drafter layer's own cache (runner.mtp's, runner.head's), after the target's
-# (index 0) and the draft model's (1, empty when there is none): one place per kind, so a request drafting with
-# one never takes the other's.
+# Where a prompt-cache entry keeps a drafter layer's own cache (runner.drafting.mtp's, runner.drafting.head's), after
+# the target's (index 0) and the draft model's (1, empty when there is none): one place per kind, so a request
+# drafting with one never takes the other's.
 LAYER_SLOTS = {"mtp": 2, "head": 3}
 
 

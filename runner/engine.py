@@ -2,9 +2,9 @@
 
 ``Engine.generate`` is a generator of ``Round`` objects, one per round of a
 decoder (``runner.decoders``): a plain round emits one token; a speculative
-round has a drafter (``runner.drafters``: the draft model or n-gram lookup)
+round has a drafter (``runner.drafting.drafters``: the draft model or n-gram lookup)
 propose up to k tokens (k from the per-runner depth controller,
-``runner.depth``), the target checks them in one forward pass, the accepted
+``runner.drafting.depth``), the target checks them in one forward pass, the accepted
 prefix plus one target token is emitted, and the caches are rewound past the
 rejected part. After every round the release rule (``runner.release``) decides
 whether the round crossed a multiple of the release interval and, if so,
@@ -41,13 +41,13 @@ from .adapters import AdaptedModel, with_adapters
 from .batch_memory import CacheCost
 from .constraint import Grammars
 from .decoders import LAYER_SLOTS, Decoder, PlainDecoder, SpeculativeDecoder
-from .depth import DepthController, FixedDepth
-from .drafters import ModelDrafter, NgramDrafter
+from .drafting.depth import DepthController, FixedDepth
+from .drafting.drafters import ModelDrafter, NgramDrafter
+from .drafting.mtp import HiddenModel, MTPDrafter
 from .kv_quant import KVQuantization
 from .loading import LoadedModel, load_model
 from .malloc import malloc_trim
 from .mrope import PositionedModel, rope_delta
-from .mtp import HiddenModel, MTPDrafter
 from .penalties import Penalties
 from .platform import auto_dtype, device_name
 from .prefill import PrefillPlanner
@@ -172,8 +172,8 @@ class Engine:
         self.cache_cost = CacheCost.measure(target.model, self.kv)
         # Whether the target's caches can be trimmed back to a shorter prefix (not a sliding window's).
         self.trimmable = all(type(layer) is KVCache for layer in make_prompt_cache(target.model))
-        # A drafter head trained here for the target (runner.head) and a block drafter (runner.block), where the
-        # settings name them.
+        # A drafter head trained here for the target (runner.drafting.head) and a block drafter (runner.drafting.block),
+        # where the settings name them.
         self.head, self.head_problem = self._load_learned("head", settings.head)
         self.block, self.block_problem = self._load_learned("block", settings.block)
         self.drafters = self._available_drafters()
@@ -239,13 +239,13 @@ class Engine:
         if self.group is not None:
             return None, "not in a runner group"
         if kind == "head":
-            from .head import load_head as load
+            from .drafting.head import load_head as load
 
             what, errors = "drafter head", (OSError, ValueError)
         else:
             if self.target.vision is not None:
                 return None, "not for a model that sees"
-            from .block import load_block as load
+            from .drafting.block import load_block as load
 
             what, errors = "block drafter", (OSError, ValueError, KeyError)
         try:
@@ -272,7 +272,7 @@ class Engine:
             reasons["model"] = why_not_target
         # The drafters that read the target's hidden states: not under LoRA adapters.
         for name, layer, missing in (
-            ("mtp", self.target.mtp, f"{self.target.path.name} has no MTP layers (runner.mtp)"),
+            ("mtp", self.target.mtp, f"{self.target.path.name} has no MTP layers (runner.drafting.mtp)"),
             ("head", self.head, self.head_problem or "no drafter head (the head setting)"),
             ("block", self.block, self.block_problem or "no block drafter (the block setting)"),
         ):
@@ -588,14 +588,14 @@ class Engine:
             if drafter == "mtp":
                 source = MTPDrafter(self.target.model, self.target.mtp, layer, pairs)
             else:
-                from .head import HeadDrafter
+                from .drafting.head import HeadDrafter
 
                 source = HeadDrafter(self.target.model, self.head, layer, pairs)
             # The target as this request calls it: mlx-lm's inner model, then its head, the hidden states kept.
             target = HiddenModel(self._request_model(prepared), source.hidden)
             return SpeculativeDecoder(target, prepared.prompt_ids, prepared.params, key, source, depth, cache, held)
         elif drafter == "block":
-            from .block import BlockDrafter, TappedModel
+            from .drafting.block import BlockDrafter, TappedModel
 
             source = BlockDrafter(self.target.model, self.block)
             # The target as this request calls it: mlx-lm's own call, its tapped layers' outputs kept by position.

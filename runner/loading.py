@@ -43,7 +43,7 @@ class LoadedModel:
     plain_attention: int = 0  # model modules whose small attentions run as plain ops (runner.attention)
     vision: object = None  # a model that sees: its runner.vision.Vision (model is then its language model)
     row_padding: str = ""  # whether one-row products run as two rows, and why (runner.row_padding)
-    mtp: object = None  # its own multi-token-prediction layer (runner.mtp), where the checkpoint has one
+    mtp: object = None  # its own multi-token-prediction layer (runner.drafting.mtp), where the checkpoint has one
 
     @property
     def quantization(self) -> dict | None:
@@ -172,7 +172,7 @@ def load_model(
             padding = f"{'on' if row_padding else 'off'}: asked"
         mtp = None
         if vision is None and group is None:
-            from .mtp import load_mtp
+            from .drafting.mtp import load_mtp
 
             mtp = load_mtp(path, model, config, dtype)
     except Exception as error:  # noqa: BLE001 - any cause is reported with the folder
@@ -184,12 +184,12 @@ def load_model(
 
 def _load_text(path: Path, mlx_lm_load):
     """mlx-lm's load; a checkpoint with MTP layers past ``num_hidden_layers`` (DeepSeek-V3 style) with them left
-    out of the target (mlx-lm's deepseek_v3 drops only DeepSeek-V3's own layer 61; runner.mtp reads them)."""
+    out of the target (mlx-lm's deepseek_v3 drops only DeepSeek-V3's own layer 61; runner.drafting.mtp reads them)."""
     import json
 
     from mlx_lm.utils import _get_classes
 
-    from .mtp import drop_mtp_layers
+    from .drafting.mtp import drop_mtp_layers
 
     config = json.loads((path / "config.json").read_text())
     try:

@@ -255,10 +255,11 @@ def _model(name: str, table: dict, base: Path) -> ModelConfig:
                 raise ConfigError(f"{p}adapters.{adapter}", f"no such folder: {path} (nor a hub repository)")
             adapters[adapter] = value
         table["adapters"] = adapters
-    if isinstance(table.get("head"), str):  # a drafter head's folder (runner.head), relative to the config's
+    if isinstance(table.get("head"), str):  # a drafter head's folder (runner.drafting.head), relative to the config's
         head = Path(table["head"]).expanduser()
         table["head"] = str(head if head.is_absolute() else base / head)
-    if isinstance(table.get("block"), str):  # a block drafter's folder (runner.block), relative to the config's
+    # a block drafter's folder (runner.drafting.block), relative to the config's
+    if isinstance(table.get("block"), str):
         block = Path(table["block"]).expanduser()
         table["block"] = str(block if block.is_absolute() else base / block)
     if isinstance(table.get("hostfile"), str):  # relative to the config's folder, like the model paths

@@ -154,9 +154,9 @@ class Estimates:
                     found.append(hub.footprint(model.refs[key]))
                 elif getattr(model, key) is not None:
                     found.append(ModelFootprint.of(getattr(model, key)))
-            if model.runner.head is not None:  # a drafter head (runner.head): its layer's weights and cache
+            if model.runner.head is not None:  # a drafter head (runner.drafting.head): its layer's weights and cache
                 found.append(ModelFootprint.of(model.runner.head))
-            if model.runner.block is not None:  # a block drafter (runner.block): its weights and context cache
+            if model.runner.block is not None:  # a block drafter (runner.drafting.block): its weights and context cache
                 found.append(ModelFootprint.of(model.runner.block))
             self._footprints[model.name] = found
         return self._footprints[model.name]

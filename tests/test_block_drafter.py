@@ -1,4 +1,4 @@
-"""Block drafting (runner/block.py, ``drafter = "block"``): DFlash's layout, one forward pass per proposal.
+"""Block drafting (runner/drafting/block.py, ``drafter = "block"``): DFlash's layout, one forward pass per proposal.
 
 On the drafters models/train_block.py (``make block-model``) trains for SmolLM2 and the default pair's target, and
 its random-weight stand-in for a published DFlash checkpoint (``dflash_random``, over the default target). Greedy
@@ -104,7 +104,7 @@ def test_seeded_sampling_repeats(block):
 
 def test_one_forward_pass_per_proposal(block, monkeypatch):
     """A draft of depth k is one pass of the block model, whatever k."""
-    from runner.block import BlockDrafter, BlockDraftModel
+    from runner.drafting.block import BlockDrafter, BlockDraftModel
 
     engine, _ = block
     passes, proposals = [], []
@@ -204,7 +204,7 @@ def test_a_folder_for_another_target_or_none_is_refused_with_the_reason(tmp_path
 def test_the_published_layout_is_checked_by_shape(engines):
     """A folder without a record of its target (the published layout, for the default target) is refused where its
     shapes do not fit: SmolLM2's."""
-    from runner.block import BlockError, load_block
+    from runner.drafting.block import BlockError, load_block
 
     engine, _ = engines("smollm2")
     with pytest.raises(BlockError, match="width 384"):

@@ -1,5 +1,5 @@
-"""Drafter heads trained here (runner/head.py, models/train_drafter.py; ``make drafter-heads``): the default pair's
-target, SmolLM2 and Gemma 3 270M, each with the head trained for it in models/heads.
+"""Drafter heads trained here (runner/drafting/head.py, models/train_drafter.py; ``make drafter-heads``): the default
+pair's target, SmolLM2 and Gemma 3 270M, each with the head trained for it in models/heads.
 
 As tests/test_mtp.py tests a checkpoint's own MTP layer: greedy output equals plain decoding at every depth and with
 the adaptive one, sampled requests repeat by seed, a trained head's drafts are kept (a floor measured here, with a

@@ -1,4 +1,4 @@
-"""A model's own MTP layers as the drafter (runner/mtp.py), on the tiny random-weight checkpoints of
+"""A model's own MTP layers as the drafter (runner/drafting/mtp.py), on the tiny random-weight checkpoints of
 models/train_mtp.py (``make mtp-model``): DeepSeek-V3's layout (an extra ``model.layers.N``; GLM-4.5's names its
 layer the same way, on another architecture) and Qwen3.5's
 (``mtp.*``, on a hybrid target whose recurrent layers are restored and fed again after a rejection).
@@ -73,7 +73,7 @@ def test_the_memory_estimate_counts_the_mtp_layers_cache(mtp_engine):
 
     import mlx.core as mx
 
-    from runner.mtp import HiddenModel, MTPDrafter
+    from runner.drafting.mtp import HiddenModel, MTPDrafter
     from runner.sampling import SamplingParams
 
     target = mtp_engine.target
@@ -129,7 +129,7 @@ def test_its_incremental_drafts_equal_drafts_from_scratch(mtp_engine, monkeypatc
 def incremental_equals_scratch(mtp_engine, monkeypatch):
     import mlx.core as mx
 
-    from runner.mtp import HiddenModel, MTPDrafter
+    from runner.drafting.mtp import HiddenModel, MTPDrafter
     from runner.sampling import SamplingParams
 
     seen = []

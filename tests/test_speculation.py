@@ -15,8 +15,8 @@ import pytest
 from common.defaults import DEFAULT_DRAFT, SMOLLM2_DIR
 from common.settings import RunnerSettings
 from runner.decoders import PlainDecoder, SpeculativeDecoder
-from runner.depth import DepthController, FixedDepth
-from runner.drafters import NgramDrafter
+from runner.drafting.depth import DepthController, FixedDepth
+from runner.drafting.drafters import NgramDrafter
 from runner.engine import Engine
 from runner.prefill import PrefillPlanner
 from runner.request import GenerationRequest
@@ -187,7 +187,7 @@ def test_depth_controller_climbs_while_drafts_are_kept_without_waiting_for_probe
 
 
 def test_a_one_pass_drafter_climbs_where_its_deeper_drafts_cost_no_more_passes():
-    """A block drafter (runner.block) drafts any depth in one pass: a drafted round costs that pass plus a
+    """A block drafter (runner.drafting.block) drafts any depth in one pass: a drafted round costs that pass plus a
     verification that grows a little with k; plain rounds pay neither. The line through k = 0 and k = 1 takes the
     draft pass for a cost per draft, and the controller climbs only as probes find out; told the cost shape, it
     expects the deeper rounds to cost what k = 1 does and climbs at once (seeds 0-9, first 60 rounds: 38.1 vs

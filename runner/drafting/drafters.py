@@ -29,8 +29,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from common.defaults import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 
-from .rewind import Rewinder
-from .sampling import SamplingParams, filtered_probs, sample
+from ..rewind import Rewinder
+from ..sampling import SamplingParams, filtered_probs, sample
 
 
 def draft_token(logits: mx.array, params, key, probs: list) -> mx.array:

@@ -110,7 +110,7 @@ class DepthController:
         one_pass: bool = False,
     ):
         self.max_depth = max_depth
-        # Whether the drafter proposes any depth in one pass (runner.block): a drafted round's time is then one
+        # Whether the drafter proposes any depth in one pass (runner.drafting.block): a drafted round's time is then one
         # draft pass plus a verification that grows with k, not k drafter steps (predicted_seconds).
         self.one_pass = one_pass
         self.start = min(start, max_depth)

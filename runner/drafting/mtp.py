@@ -40,9 +40,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from common.footprint import mtp_layers, text_config
 
+from ..prompt_cache import trimmed_copy
+from ..sampling import SamplingParams
 from .drafters import Proposal, draft_token
-from .prompt_cache import trimmed_copy
-from .sampling import SamplingParams
 
 
 def _text_model(model):
@@ -233,7 +233,7 @@ class HiddenModel:
 
 
 def _offset(cache) -> int | None:
-    from .rewind import leaves
+    from ..rewind import leaves
 
     for layer in leaves(cache or []):
         offset = getattr(layer, "offset", None)

@@ -1,12 +1,13 @@
 """An EAGLE-style head trained here for a target (``drafter = "head"``, ``head = "FOLDER"``; issue #41 item 2).
 
-The same shape as a checkpoint's own MTP layer (``runner.mtp``), with weights trained here by
+The same shape as a checkpoint's own MTP layer (``runner.drafting.mtp``), with weights trained here by
 ``models/train_drafter.py``: at position i it takes the target's last hidden state h_i and the embedding of token
 i+1 (the target's own embedding), normalises each, concatenates them (embedding first), projects them back to the
 target's width, runs one decoder layer of the target's own architecture (mlx-lm's class: llama's for SmolLM2 and the
 default pair's target, gemma3_text's for Gemma 3, built as a full-attention layer; trained from random weights), a
-norm and the target's LM head: the draft for token i+2. ``runner.mtp.MTPDrafter`` drives it exactly as it drives an MTP
-layer (the target called as ``HiddenModel``; chained steps on its own output; its cache holds kept positions only).
+norm and the target's LM head: the draft for token i+2. ``runner.drafting.mtp.MTPDrafter`` drives it exactly as it
+drives an MTP layer (the target called as ``HiddenModel``; chained steps on its own output; its cache holds kept
+positions only).
 
 A head may carry a reduced vocabulary (EAGLE-3's): the N tokens the target chose most often in its training data
 (``d2t``, draft index -> target token) and the target's LM-head rows for them, so a draft step multiplies by
@@ -167,7 +168,7 @@ def load_head(folder: str | Path, target) -> EagleHead:
     head.load_weights(list(weights.items()), strict=True)
     head.set_dtype(_text_model(target.model).model.norm.weight.dtype)  # floats only: d2t stays int32
     if target.padded_layers:  # the target's one-row products run as two rows here: the head's too (runner.row_padding)
-        from .row_padding import pad_single_rows
+        from ..row_padding import pad_single_rows
 
         pad_single_rows(head)
     mx.eval(head.parameters())

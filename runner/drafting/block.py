@@ -44,9 +44,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..sampling import SamplingParams
 from .drafters import Proposal, draft_token
 from .mtp import _offset, _text_model, lm_head
-from .sampling import SamplingParams
 
 ARCHITECTURE = "DFlashDraftModel"
 
