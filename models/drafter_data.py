@@ -8,9 +8,9 @@
   passages of that help text to continue. The benchmark's own prompts (bench/speculation.py) are left out.
 - ``greedy_sequences(model, prompts, new_tokens)``: the target's greedy continuation of each prompt, batched
   (left-padded rows on mlx-lm's ``BatchKVCache``), and for every position j of prompt + continuation the target's
-  last hidden state h_j (its inner model's output, after the final norm: what ``runner.mtp.HiddenModel`` keeps) and
-  its greedy choice after j (``labels[j]``, the argmax of its LM head on h_j). One pass: the hidden states are
-  the generation's own, no second run over the sequences.
+  last hidden state h_j (its inner model's output, after the final norm: what ``runner.drafting.mtp.HiddenModel``
+  keeps) and its greedy choice after j (``labels[j]``, the argmax of its LM head on h_j). One pass: the hidden
+  states are the generation's own, no second run over the sequences.
 
 Everything runs on the target as loaded (``load_target``: float32, as the runner runs it on a CPU).
 """

@@ -1,4 +1,4 @@
-"""Block drafters (runner/block.py, ``drafter = "block"``) in DFlash's checkpoint layout: trained here, and one
+"""Block drafters (runner/drafting/block.py, ``drafter = "block"``) in DFlash's checkpoint layout: trained here, and one
 random-weight stand-in for a published checkpoint.
 
     python models/train_block.py [--only NAME ...] [--out models/block]

@@ -2,7 +2,7 @@
 
     python -m models.train_drafter --target FOLDER --out DIR [--prompts N] [--tokens N] [--epochs N] [--seed S]
 
-The head (runner/head.py) is one decoder layer of the target's own architecture over the target's last hidden
+The head (runner/drafting/head.py) is one decoder layer of the target's own architecture over the target's last hidden
 state and the next token's embedding, with the target's embedding and LM head (or, with ``--draft-vocab N``, the
 target's LM-head rows of the N tokens it chose most often: EAGLE-3's reduced vocabulary). It learns from the target
 itself (models/drafter_data.py): the target's greedy continuations of varied prompts, with its hidden states at
