@@ -18,6 +18,7 @@ SECTIONS = (
     "mtp",
     "head",
     "block",
+    "learned",
     "release_rule",
     "runner",
     "supervisor",
