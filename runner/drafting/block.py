@@ -45,7 +45,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..sampling import SamplingParams
-from .drafters import Proposal, draft_token
+from .drafters import HiddenStateDrafter, Proposal, draft_token, to_full_vocabulary
 from .mtp import _offset, _text_model, lm_head
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -390,7 +390,7 @@ class TappedModel:
 # -- the drafter ------------------------------------------------------------------------------------------------
 
 
-class BlockDrafter:
+class BlockDrafter(HiddenStateDrafter):
     """Drafts a block in one pass of the block model (see the module's docstring)."""
 
     name = "block"
@@ -428,9 +428,7 @@ class BlockDrafter:
             mx.async_eval(tokens)
             return Proposal(tokens.astype(mx.uint32), None)
         if self.vocab is not None:  # the verifier's q is over the whole vocabulary: the others get none
-            full = mx.full((k, self.embed.weight.shape[0]), -mx.inf, dtype=logits.dtype)
-            full[:, self.vocab] = logits
-            logits = full
+            logits = to_full_vocabulary(logits, self.vocab, self.embed.weight.shape[0])
         probs, tokens = [], []
         for i, step_key in enumerate(mx.random.split(key, k)):
             tokens.append(draft_token(logits[i], params, step_key, probs))
@@ -446,12 +444,3 @@ class BlockDrafter:
         if self.caches[0].keys is None:
             return None
         return [(cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]) for cache in self.caches]
-
-    def accepted(self, proposal: Proposal, accepted: int) -> None:
-        pass  # its cache holds only positions the target kept
-
-    def extend(self, tokens: list[int]) -> None:
-        pass
-
-    def ready(self) -> bool:
-        return True

@@ -16,7 +16,10 @@ the context; be told, through ``accepted``, how many the target kept. Two kinds:
   exactly the target's distribution (``runner.sampling.point_mass``).
 
 Both are told every token the round emits (``extend``) so their view of the
-context stays the target's.
+context stays the target's. The drafters that read the target's hidden states
+(``mtp``, ``head``, ``block`` beside this module) share ``HiddenStateDrafter``,
+and a reduced draft vocabulary goes back to the target's with
+``to_full_vocabulary``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,15 @@ def draft_token(logits: mx.array, params, key, probs: list) -> mx.array:
     q = filtered_probs(logits, params)
     probs.append(q)
     return sample(q, key)
+
+
+def to_full_vocabulary(logits: mx.array, ids: mx.array, size: int) -> mx.array:
+    """Logits over a reduced draft vocabulary (``ids``: the target token of each column, EAGLE-3's d2t) as logits
+    over the target's ``size`` tokens, every token outside it at -inf: sampling and the verifier's q then see the
+    target's vocabulary, and a drafter never proposes a token it cannot score."""
+    full = mx.full((*logits.shape[:-1], size), -mx.inf, dtype=logits.dtype)
+    full[..., ids] = logits
+    return full
 
 
 @dataclass
@@ -167,3 +179,18 @@ class NgramDrafter:
 
     def accepted(self, proposal: Proposal, accepted: int) -> None:
         pass
+
+
+class HiddenStateDrafter:
+    """What a drafter that reads the target's own hidden states shares (an MTP layer, a trained head, a block
+    drafter): the target's verify pass hands it the kept positions, so it has nothing to rewind past rejected
+    drafts, nothing to catch up from the emitted tokens, and a proposal every round."""
+
+    def accepted(self, proposal: Proposal, accepted: int) -> None:
+        pass  # its cache holds only positions the target kept
+
+    def extend(self, tokens: list[int]) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return True

@@ -33,6 +33,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from common.heads import mismatch, read_head_config
 
+from .drafters import to_full_vocabulary
 from .mtp import MTPDrafter, _text_model
 
 
@@ -92,15 +93,7 @@ class EagleHead(nn.Module):
         or the reduced one scattered back (every token outside it at -inf)."""
         if not self.reduced:
             return target_head
-        d2t, vocab = self.d2t, self.vocab_size
-
-        def logits(x):
-            small = self.lm_head(x)
-            full = mx.full((*small.shape[:-1], vocab), -mx.inf, dtype=small.dtype)
-            full[..., d2t] = small
-            return full
-
-        return logits
+        return lambda x: to_full_vocabulary(self.lm_head(x), self.d2t, self.vocab_size)
 
 
 def trainable_keys(head: EagleHead) -> list[str]:

@@ -42,7 +42,7 @@ from common.footprint import mtp_layers, text_config
 
 from ..prompt_cache import trimmed_copy
 from ..sampling import SamplingParams
-from .drafters import Proposal, draft_token
+from .drafters import HiddenStateDrafter, Proposal, draft_token
 
 
 def _text_model(model):
@@ -242,7 +242,7 @@ def _offset(cache) -> int | None:
     return None
 
 
-class MTPDrafter:
+class MTPDrafter(HiddenStateDrafter):
     """Drafts with the target's MTP layer (see the module's docstring)."""
 
     name = "mtp"
@@ -295,12 +295,3 @@ class MTPDrafter:
         if k > 1:
             self.cache.trim(k - 1)  # the chained steps rest on its own hidden states: the next round feeds the target's
         return Proposal(mx.stack(tokens).astype(mx.uint32), mx.stack(probs) if probs else None)
-
-    def accepted(self, proposal: Proposal, accepted: int) -> None:
-        pass  # its cache holds only positions the target kept
-
-    def extend(self, tokens: list[int]) -> None:
-        pass
-
-    def ready(self) -> bool:
-        return True
