@@ -90,5 +90,6 @@ def _smol(n: int, prompts_per_kind: int) -> None:
     title = f"SmolLM2-135M-Instruct in {smol.target.compute_dtype}: its head, each twice"
     results = table(title, smol, n, True, twice(rows), prompts_per_kind)
     print("Goal: the head >= 1.4x plain on prose.\n")
-    ratios(results, ("head, adaptive", "head, k = 1", "head, k = 2"), "ours, plain")
-    ratios(results, ("head, adaptive", "head, k = 1", "head, k = 2"), "n-gram, adaptive")
+    heads = ("head, adaptive", "head, k = 1", "head, k = 2")
+    for base in ("ours, plain", "n-gram, adaptive"):
+        ratios(results, heads, base)
