@@ -115,10 +115,10 @@ def after_first_token(s) -> tuple[int, float]:
 
 
 def as_mlx_lm_runs_it(engine: Engine) -> tuple:
-    """(target, draft): the engine's checkpoints in its dtype, without runner.row_padding (mlx-lm's layers
-    as they ship)."""
+    """(target, draft): the engine's checkpoints in its dtype, without runner.row_padding and runner.fusion
+    (mlx-lm's layers as they ship)."""
     return tuple(
-        load_model(loaded.path, loaded.dtype, row_padding=False).model if loaded else None
+        load_model(loaded.path, loaded.dtype, row_padding=False, fuse=False).model if loaded else None
         for loaded in (engine.target, engine.draft)
     )
 

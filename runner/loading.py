@@ -24,6 +24,7 @@ from common.footprint import context_length
 
 from .attention import applies as plain_attention_applies
 from .attention import use_plain_attention
+from .fusion import fuse as fuse_projections
 from .rewind import rewindable
 from .row_padding import applies as row_padding_applies
 from .row_padding import decide as decide_row_padding
@@ -44,6 +45,8 @@ class LoadedModel:
     vision: object = None  # a model that sees: its runner.vision.Vision (model is then its language model)
     row_padding: str = ""  # whether one-row products run as two rows, and why (runner.row_padding)
     mtp: object = None  # its own multi-token-prediction layer (runner.drafting.mtp), where the checkpoint has one
+    fused_groups: int = 0  # projections that read one input, stacked into one product (runner.fusion)
+    fusion: str = ""  # whether they are, and why (runner.fusion)
 
     @property
     def quantization(self) -> dict | None:
@@ -117,14 +120,21 @@ def identity(path: Path, dtype: str) -> str:
 
 
 def load_model(
-    folder: str | Path, dtype: str, max_context: int | None = None, row_padding: bool | None = None, group=None
+    folder: str | Path,
+    dtype: str,
+    max_context: int | None = None,
+    row_padding: bool | None = None,
+    group=None,
+    fuse: bool = True,
 ) -> LoadedModel:
     """Load one mlx-lm folder in ``dtype`` ("checkpoint" or "float32"); every failure is a ModelLoadError.
 
     ``row_padding``: run one-row products as two rows (``runner.row_padding``); None = where it is faster, measured
     on this model as it loads.
     ``group``: a ``runner.group.Group``: keep this rank's share of the weights (mlx-lm's ``shard``, or its run
-    of layers for a pipeline: ``runner.pipeline``), before any layer is wrapped."""
+    of layers for a pipeline: ``runner.pipeline``), before any layer is wrapped.
+    ``fuse``: stack the projections that read one input into one product where the logits stay the same
+    (``runner.fusion``; a group's ranks are left apart: checking would need the whole group's pass)."""
     from mlx_lm.utils import load as mlx_lm_load
 
     path = Path(folder)
@@ -161,9 +171,15 @@ def load_model(
             model.shard(group.group)
             mx.eval(model.parameters())
         mx.clear_cache()
+        if not fuse:
+            fused, fusion = 0, "off: asked"
+        elif group is not None:
+            fused, fusion = 0, "off: a group's ranks"
+        else:
+            fused, fusion = fuse_projections(model)
         plain = use_plain_attention(model) if plain_attention_applies() else 0
         if row_padding is None and group is None:  # measured here, on this model (runner.row_padding)
-            padded, padding = decide_row_padding(model, identity(path, dtype))
+            padded, padding = decide_row_padding(model, identity(path, dtype) + ("|fused" if fused else ""))
         elif row_padding is None:  # a group's ranks must agree: the device's rule
             padded = pad_single_rows(model) if row_padding_applies() else 0
             padding = f"{'on' if padded else 'off'}: a group's rule (the CPU with MKL)"
@@ -178,7 +194,20 @@ def load_model(
     except Exception as error:  # noqa: BLE001 - any cause is reported with the folder
         raise ModelLoadError(path, f"{type(error).__name__}: {error}") from error
     return LoadedModel(
-        path, model, tokenizer, config, dtype, parameters, max_context, padded, plain, vision, padding, mtp
+        path,
+        model,
+        tokenizer,
+        config,
+        dtype,
+        parameters,
+        max_context,
+        padded,
+        plain,
+        vision,
+        padding,
+        mtp,
+        fused,
+        fusion,
     )
 
 

@@ -169,6 +169,7 @@ def model_info(loaded: LoadedModel) -> runner_pb2.ModelInfo:
         rewindable=loaded.rewindable,
         row_padded_layers=loaded.padded_layers,
         row_padding=loaded.row_padding,
+        fusion=loaded.fusion,
         sliding_window=loaded.sliding_window,
         sliding_layers=loaded.sliding_layers,
     )

@@ -327,7 +327,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("path", "architecture", "parameters", "context_length", "dtype", "vocab_size", "quantization_bits", "quantization_group_size", "cache", "rewindable", "row_padded_layers", "sliding_window", "sliding_layers", "row_padding")
+    __slots__ = ("path", "architecture", "parameters", "context_length", "dtype", "vocab_size", "quantization_bits", "quantization_group_size", "cache", "rewindable", "row_padded_layers", "sliding_window", "sliding_layers", "row_padding", "fusion")
     PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +342,7 @@ class ModelInfo(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     SLIDING_LAYERS_FIELD_NUMBER: _ClassVar[int]
     ROW_PADDING_FIELD_NUMBER: _ClassVar[int]
+    FUSION_FIELD_NUMBER: _ClassVar[int]
     path: str
     architecture: str
     parameters: int
@@ -356,7 +357,8 @@ class ModelInfo(_message.Message):
     sliding_window: int
     sliding_layers: int
     row_padding: str
-    def __init__(self, path: _Optional[str] = ..., architecture: _Optional[str] = ..., parameters: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., quantization_group_size: _Optional[int] = ..., cache: _Optional[str] = ..., rewindable: _Optional[bool] = ..., row_padded_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., sliding_layers: _Optional[int] = ..., row_padding: _Optional[str] = ...) -> None: ...
+    fusion: str
+    def __init__(self, path: _Optional[str] = ..., architecture: _Optional[str] = ..., parameters: _Optional[int] = ..., context_length: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., quantization_bits: _Optional[int] = ..., quantization_group_size: _Optional[int] = ..., cache: _Optional[str] = ..., rewindable: _Optional[bool] = ..., row_padded_layers: _Optional[int] = ..., sliding_window: _Optional[int] = ..., sliding_layers: _Optional[int] = ..., row_padding: _Optional[str] = ..., fusion: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("name", "target", "draft", "device", "num_draft_tokens", "release_interval", "release_enabled", "cache_limit", "version", "pid", "max_queue", "speculative", "decoding", "dtype_reason", "runtime_rss", "prompt_cache_budget", "drafter", "adaptive_depth", "max_draft_tokens", "max_batch", "batch_memory", "backend", "device_detail", "device_memory", "tool_format", "chat_template", "kv_bits", "kv_group_size", "quantized_kv_start", "ranks", "rank_pids", "rank_memory", "parallelism", "group_backend", "max_output_tokens", "reasoning_format", "vision", "kind", "embedding_dimensions", "matryoshka_dimensions", "pooling", "normalized")
