@@ -14,6 +14,9 @@ of each kind.
 - batching with a quantized KV cache (kv_bits 8): the rows one ``batch_memory`` admits against float's (goal
   >= 1.8x), 8 concurrent requests' tok/s batched at 8 bits against float (alternated), and whether each batched
   8-bit request's greedy tokens are its tokens alone.
+- stacked projections (``runner.fusion``): mlx-lm's ``generate_step`` on the target loaded with its q/k/v and gate/up
+  projections stacked against the same checkpoint as mlx-lm ships it, alternated; and whether the tokens are the
+  same. (No goal of its own: it is part of why item 1's ratio is what it is.)
 Not here: constrained decoding against free decoding (item 4) is bench/structured.py's, the relay at 16 clients
 (item 5) bench/front_door.py's.
 """
@@ -30,6 +33,7 @@ from bench.speculation import as_mlx_lm_runs_it, ours, plain_rows, table
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from common.settings import RunnerSettings
 from runner.engine import Engine
+from runner.loading import load_model
 from runner.request import GenerationRequest
 from runner.worker import MlxWorker
 
@@ -94,6 +98,36 @@ def prefill(label: str, engine: Engine, lengths) -> list[str]:
             f"{n / np.median(theirs):.0f} tok/s) | {ratio:.2f}x | >= 1.0x |"
         )
     return out
+
+
+FUSION_RUNS = 4
+
+
+def fusion(label: str, folder, dtype: str, tokens: int) -> list[str]:
+    """mlx-lm's generate_step over ``folder`` stacked (runner.fusion) and apart, alternated: tok/s after the first token."""
+    apart = load_model(folder, dtype, row_padding=False, fuse=False).model
+    stacked = load_model(folder, dtype, row_padding=False).model
+    ids = mx.array(list(range(100, 140)))
+
+    def rate(model) -> tuple[float, list[int]]:
+        out, start = [], None
+        for token, _ in generate_step(ids, model, max_tokens=tokens):
+            out.append(int(token))
+            start = start or time.perf_counter()
+        return (len(out) - 1) / (time.perf_counter() - start), out
+
+    rate(apart), rate(stacked)  # warm-up
+    ratios, same = [], True
+    for run in range(FUSION_RUNS):
+        order = (apart, stacked) if run % 2 == 0 else (stacked, apart)
+        got = {id(model): rate(model) for model in order}
+        ratios.append(got[id(stacked)][0] / got[id(apart)][0])
+        same = same and got[id(stacked)][1] == got[id(apart)][1]
+    return [
+        f"| {label} ({dtype}), {tokens} tokens | mlx-lm generate_step, projections stacked vs apart (median of "
+        f"{FUSION_RUNS}, {min(ratios):.2f}-{max(ratios):.2f}; same tokens: {'yes' if same else 'NO'}) | "
+        f"{float(np.median(ratios)):.2f}x | (part of item 1) |"
+    ]
 
 
 KV_ROWS = 8
@@ -167,6 +201,8 @@ def run() -> None:
     goals += prefill("default pair", pair, PREFILL_LENGTHS)
     goals += prefill("SmolLM2", smol, PREFILL_LENGTHS[:2])
     goals += kv_batching("default pair", pair)
+    goals += fusion("default pair's target", DEFAULT_TARGET, "float32", PAIR_TOKENS)
+    goals += fusion("SmolLM2", SMOLLM2_DIR, "float32", 48)
     print("## versus: issue #40's goals, one run\n")
     print("| model, prompts | what | figure | goal |")
     print("| --- | --- | --- | --- |")

@@ -7,9 +7,11 @@ cost: on this project's Xeon (2026-12-06), mlx-lm's ``generate_step`` decoded th
 as fast with its projections stacked (SmolLM2, whose 135M float32 weights make a step a matter of reading
 memory, 1.015x), with the same tokens. mlx-lm runs them apart; llama.cpp stacks them for some architectures.
 
-``fuse(model)``: every module with float ``nn.Linear`` ``q_proj``, ``k_proj`` and ``v_proj`` (and every one with
-``gate_proj`` and ``up_proj``) reading inputs of one width, with biases on all of them or none, gets one
-``nn.Linear`` (``fused_qkv``, ``fused_gate_up``) holding their rows, and the three (two) become ``Part``\\s of
+``fuse(model)``: every module with ``q_proj``, ``k_proj`` and ``v_proj`` (and every one with ``gate_proj`` and
+``up_proj``) that are all float ``nn.Linear`` or all ``nn.QuantizedLinear`` of one group size, bits and mode,
+reading inputs of one width, with biases on all of them or none, gets one layer of that kind (``fused_qkv``,
+``fused_gate_up``) holding their rows (a quantized layer's rows are quantized on their own: its packed weights,
+scales and biases stack as they are), and the three (two) become ``Part``\\s of
 it. The first part asked for an input computes the whole product; the others asked for the same input (the
 same array: the layer passes one ``x`` to each) take their columns of it, and once each has, it is forgotten.
 A part asked for another input (or twice for one) starts a new product. The layers' code is mlx-lm's, unchanged; LoRA
@@ -74,16 +76,42 @@ class Part(nn.Module):
         return self._stack.columns(x, self._index)
 
 
+KINDS = (nn.Linear, nn.QuantizedLinear)
+
+
+def _settings(layer) -> tuple:
+    """What a layer is besides its arrays: its kind, and a quantized one's group size, bits and mode."""
+    if type(layer) is nn.QuantizedLinear:
+        return (nn.QuantizedLinear, layer.group_size, layer.bits, layer.mode)
+    return (type(layer),)
+
+
+def _arrays(layer) -> dict[str, mx.array]:
+    return {k: v for k, v in layer.items() if isinstance(v, mx.array)}
+
+
 def _stackable(module, names: tuple[str, ...]) -> list | None:
     layers = [module.get(name) if isinstance(module, nn.Module) else None for name in names]
-    if not all(type(layer) is nn.Linear for layer in layers):  # quantized, sharded, LoRA...: left alone
+    if not all(type(layer) in KINDS for layer in layers):  # sharded, LoRA, anything else: left alone
         return None
-    first = layers[0].weight
-    if any(layer.weight.shape[1] != first.shape[1] or layer.weight.dtype != first.dtype for layer in layers):
+    if len({_settings(layer) for layer in layers}) != 1:
         return None
-    if len({"bias" in layer for layer in layers}) != 1:
-        return None
-    return layers
+    shapes = [{k: (v.shape[1:], v.dtype) for k, v in _arrays(layer).items()} for layer in layers]
+    return layers if all(shape == shapes[0] for shape in shapes) else None  # one input width, one form
+
+
+def _layer_like(layer, arrays: dict[str, mx.array]):
+    """A layer of ``layer``'s kind and settings holding ``arrays`` (rows of its output)."""
+    kind, *quantized = _settings(layer)
+    if kind is nn.QuantizedLinear:
+        group_size, bits, mode = quantized
+        new = nn.QuantizedLinear(group_size, 1, "bias" in arrays, group_size=group_size, bits=bits, mode=mode)
+        new.pop("biases", None)
+    else:
+        new = nn.Linear(1, 1, bias="bias" in arrays)
+    for key, value in arrays.items():
+        setattr(new, key, value)
+    return new
 
 
 def stack(model) -> list[tuple]:
@@ -95,14 +123,11 @@ def stack(model) -> list[tuple]:
             layers = _stackable(module, names)
             if layers is None or fused in module:
                 continue
-            biased = "bias" in layers[0]
-            linear = nn.Linear(1, 1, bias=biased)
-            linear.weight = mx.concatenate([layer.weight for layer in layers], axis=0)
-            if biased:
-                linear.bias = mx.concatenate([layer.bias for layer in layers], axis=0)
-            mx.eval(linear.parameters())
-            shared = _Stack(linear, [layer.weight.shape[0] for layer in layers])
-            setattr(module, fused, linear)
+            parts = [_arrays(layer) for layer in layers]
+            stacked = _layer_like(layers[0], {k: mx.concatenate([p[k] for p in parts], axis=0) for k in parts[0]})
+            mx.eval(stacked.parameters())
+            shared = _Stack(stacked, [layer.weight.shape[0] for layer in layers])
+            setattr(module, fused, stacked)
             for i, name in enumerate(names):
                 setattr(module, name, Part(shared, i))
             done.append((module, fused, names, shared))
@@ -110,16 +135,12 @@ def stack(model) -> list[tuple]:
 
 
 def unstack(done: list[tuple]) -> None:
-    """Put each group back as its own ``Linear`` layers (copies of the stacked rows)."""
+    """Put each group back as layers of their own (copies of the stacked rows)."""
     for module, fused, names, shared in done:
-        bias = shared.linear.get("bias")
+        arrays = _arrays(shared.linear)
         for i, name in enumerate(names):
             start, end = shared.bounds[i], shared.bounds[i + 1]
-            layer = nn.Linear(1, 1, bias=bias is not None)
-            layer.weight = mx.array(shared.linear.weight[start:end])
-            if bias is not None:
-                layer.bias = mx.array(bias[start:end])
-            setattr(module, name, layer)
+            setattr(module, name, _layer_like(shared.linear, {k: mx.array(v[start:end]) for k, v in arrays.items()}))
         module.pop(fused, None)
         mx.eval(module.parameters())
 
@@ -147,7 +168,7 @@ def fuse(model) -> tuple[int, str]:
         return 0, f"off: the check could not run the model ({type(error).__name__})"
     done = stack(model)
     if not done:
-        return 0, "off: no float projections to stack"
+        return 0, "off: no projections to stack"
     try:
         after = []
         for rows in (1, 5):

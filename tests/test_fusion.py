@@ -107,3 +107,21 @@ def test_the_environment_turns_it_off(monkeypatch):
     monkeypatch.setenv(fusion.ENV, "0")
     loaded = load_model(DEFAULT_TARGET, "float32")
     assert loaded.fused_groups == 0 and loaded.fusion == f"off: {fusion.ENV}=0"
+
+
+def test_quantized_projections_stack_as_they_are_with_the_same_logits():
+    """A quantized checkpoint's layers (the form a GPU runs) stack their packed weights, scales and biases; a group
+    whose layers are quantized differently (Q4_K_M's 6-bit value projections) is left apart."""
+    loaded = load_model(DEFAULT_TARGET, "float32", fuse=False)
+    nn.quantize(loaded.model, group_size=64, bits=4)
+    attention = loaded.model.model.layers[0].self_attn
+    attention.v_proj = nn.QuantizedLinear.from_linear(nn.Linear(384, 128), group_size=64, bits=8)
+    mx.eval(loaded.model.parameters())
+    ids = mx.array([[5, 9, 14, 2, 33]])
+    before = loaded.model(ids, cache=make_prompt_cache(loaded.model))
+    groups, why = fusion.fuse(loaded.model)
+    assert groups == 7 + 8 and why.startswith("on: 7 q/k/v and 8 gate/up groups"), why
+    assert "fused_qkv" not in attention and type(attention.q_proj) is nn.QuantizedLinear
+    stacked = loaded.model.model.layers[1].mlp.fused_gate_up
+    assert type(stacked) is nn.QuantizedLinear and stacked.bits == 4 and stacked.scales.shape == (2 * 1024, 384 // 64)
+    assert mx.array_equal(loaded.model(ids, cache=make_prompt_cache(loaded.model)), before).item()
