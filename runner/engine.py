@@ -50,7 +50,7 @@ from .malloc import malloc_trim
 from .mrope import PositionedModel, rope_delta
 from .penalties import Penalties
 from .platform import auto_dtype, device_name
-from .prefill import PrefillPlanner, PrefillRate
+from .prefill import PrefillPlanner
 from .prompt_cache import Hit, PromptCache, trimmed_copy
 from .release import ReleaseSchedule
 from .request import GenerationRequest, PreparedRequest, end_of_turn_ids, prepare
@@ -124,7 +124,6 @@ class Engine:
         group=None,
     ):
         self.group = group  # a runner.group.Group when the target is split across processes
-        self._prefill_rate = PrefillRate()  # the last prefill's speed: later prompts need no probe chunk
         self.rank_memory: list[int] = []  # in a group: MLX's active bytes of each rank after loading
         self.target = target
         self.draft = draft
@@ -498,7 +497,6 @@ class Engine:
             self.settings.prefill_chunk,
             self.settings.prefill_seconds,
             self.settings.prefill_score_bytes if self.device == "cpu" else None,
-            known=self._prefill_rate,
         )
         if self.group is not None:  # chunk sizes come from measured times: rank 0's are everyone's
             planner.share = self.group.share_int

@@ -7,12 +7,9 @@ Two limits, whichever is smaller:
   default pair at 8000 tokens: chunks of 256 were as fast as chunks of 2048
   with a third of the peak);
 - time: the runner's MLX thread proves it is alive between chunks, and a chunk
-  that takes longer than ``stall_after`` looks like a hang. The runner's first
-  prefill starts with a short probe; its speed, scaled for the longer context of
-  the next chunk, sizes the rest to take about ``seconds`` each. The speed is the
-  runner's (``PrefillRate``, kept by the engine), so later prompts size their
-  first chunk from it and need no probe: a 1,500-token prompt of the default pair
-  was a 128-token probe and the rest, two passes where mlx-lm makes one.
+  that takes longer than ``stall_after`` looks like a hang. The first chunk is a
+  short probe; its speed, scaled for the longer context of the next chunk,
+  sizes the rest to take about ``seconds`` each.
 
 Short prompts that wait at the same time share a forward pass
 (``joint_groups``; the pass itself is ``runner.batch.prefill_jointly``): a
@@ -46,13 +43,6 @@ JOINT_CONTEXT = 512  # the longest cache (cached tokens + remainder) a row of a 
 FIXED_COST_TOKENS = 512  # c0: a token's fixed cost expressed as attention over this many tokens of context
 
 
-class PrefillRate:
-    """The last measured seconds per unit of prefill work (token x context token), shared by a runner's planners."""
-
-    def __init__(self):
-        self.rate: float | None = None
-
-
 class PrefillPlanner:
     def __init__(
         self,
@@ -61,17 +51,14 @@ class PrefillPlanner:
         seconds: float = DEFAULT_STALL_AFTER / 4,
         score_bytes: int | None = DEFAULT_PREFILL_SCORE_BYTES,
         first_chunk: int = PROBE_CHUNK,
-        known: PrefillRate | None = None,
     ):
-        """``score_bytes=None`` lifts the memory limit (a GPU with fused attention). ``known``: the runner's rate,
-        read to size the first chunk (no probe once one was measured) and updated by every chunk."""
+        """``score_bytes=None`` lifts the memory limit (a GPU with fused attention)."""
         self.heads = max(1, heads)
         self.max_chunk = max(MIN_PREFILL_CHUNK, max_chunk)
         self.seconds = seconds
         self.score_bytes = score_bytes
         self.first_chunk = first_chunk
-        self.known = known
-        self.rate: float | None = known.rate if known is not None else None  # seconds per (token x context token)
+        self.rate: float | None = None  # seconds per (token x context token)
         self.sizes: list[int] = []
         self.share = None  # in a runner group, rank 0's size is every rank's (runner.group)
 
@@ -103,8 +90,6 @@ class PrefillPlanner:
         work = size * (offset + size / 2 + FIXED_COST_TOKENS)
         if work > 0 and seconds > 0:
             self.rate = seconds / work
-            if self.known is not None:
-                self.known.rate = self.rate
 
 
 def joint_groups(

@@ -114,22 +114,3 @@ def test_eos_stops_generation_and_is_not_emitted(plain_600):
         engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=600, num_draft_tokens=3, ignore_eos=True))
     )
     assert ignoring == plain_tokens
-
-
-def test_only_the_runners_first_prefill_probes_the_machine():
-    """The first prompt starts with a short probe chunk that measures the machine; the rate is the runner's, so a
-    later prompt of 600 tokens prefills in one pass (as mlx-lm does), with the same answer."""
-    from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-    from common.settings import RunnerSettings
-    from runner.engine import Engine
-    from runner.prefill import PROBE_CHUNK
-
-    fresh = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0))
-    ids = tuple(100 + (i * 7) % 3000 for i in range(601))
-    answers = []
-    for _ in range(2):
-        tokens, _, last = collect(fresh.generate(GenerationRequest(prompt_ids=ids, max_tokens=8, ignore_eos=True)))
-        answers.append((tokens, list(last.stats.prefill_chunks)))
-    (first, probed), (second, after) = answers
-    assert probed[0] == PROBE_CHUNK and len(probed) >= 2 and sum(probed) == 600
-    assert after == [600] and second == first
