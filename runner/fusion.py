@@ -47,6 +47,10 @@ class _Stack:
         self._columns: list | None = None
         self._left: set[int] = set()
 
+    def rows(self, index: int) -> slice:
+        """Where part ``index``'s rows lie in the stacked layer's arrays."""
+        return slice(self.bounds[index], self.bounds[index + 1])
+
     def columns(self, x: mx.array, index: int) -> mx.array:
         if x is not self._input or index not in self._left:  # a new input: the whole product
             self._columns = mx.split(self.linear(x), self.bounds[1:-1], axis=-1)
@@ -69,8 +73,7 @@ class Part(nn.Module):
 
     @property
     def weight(self) -> mx.array:
-        start, end = self._stack.bounds[self._index], self._stack.bounds[self._index + 1]
-        return self._stack.linear.weight[start:end]
+        return self._stack.linear.weight[self._stack.rows(self._index)]
 
     def __call__(self, x: mx.array) -> mx.array:
         return self._stack.columns(x, self._index)
@@ -91,8 +94,8 @@ def _arrays(layer) -> dict[str, mx.array]:
 
 
 def _stackable(module, names: tuple[str, ...]) -> list | None:
-    layers = [module.get(name) if isinstance(module, nn.Module) else None for name in names]
-    if not all(type(layer) in KINDS for layer in layers):  # sharded, LoRA, anything else: left alone
+    layers = [module.get(name) for name in names]
+    if not all(type(layer) in KINDS for layer in layers):  # sharded, LoRA, already stacked, anything else: left alone
         return None
     if len({_settings(layer) for layer in layers}) != 1:
         return None
@@ -121,7 +124,7 @@ def stack(model) -> list[tuple]:
     for _, module in list(model.named_modules()):
         for fused, names in GROUPS.items():
             layers = _stackable(module, names)
-            if layers is None or fused in module:
+            if layers is None:
                 continue
             parts = [_arrays(layer) for layer in layers]
             stacked = _layer_like(layers[0], {k: mx.concatenate([p[k] for p in parts], axis=0) for k in parts[0]})
@@ -139,8 +142,8 @@ def unstack(done: list[tuple]) -> None:
     for module, fused, names, shared in done:
         arrays = _arrays(shared.linear)
         for i, name in enumerate(names):
-            start, end = shared.bounds[i], shared.bounds[i + 1]
-            setattr(module, name, _layer_like(shared.linear, {k: mx.array(v[start:end]) for k, v in arrays.items()}))
+            rows = shared.rows(i)
+            setattr(module, name, _layer_like(shared.linear, {k: mx.array(v[rows]) for k, v in arrays.items()}))
         module.pop(fused, None)
         mx.eval(module.parameters())
 
@@ -184,7 +187,6 @@ def fuse(model) -> tuple[int, str]:
     if not same:
         unstack(done)
         return 0, "off: stacked products change the logits here"
-    mx.eval(model.parameters())
     groups = {name: sum(fused == name for _, fused, *_ in done) for name in GROUPS}
     return len(done), (
         f"on: {groups['fused_qkv']} q/k/v and {groups['fused_gate_up']} gate/up groups, one product each "
