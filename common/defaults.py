@@ -21,7 +21,11 @@ DEFAULT_MAX_DRAFT_TOKENS = 6  # the deepest round the adaptive depth tries
 DEFAULT_NGRAM_MAX = 4  # prompt lookup: the longest suffix it matches...
 DEFAULT_NGRAM_MIN = 2  # ...and the shortest
 DEFAULT_RELEASE_INTERVAL = 256  # mlx-lm's KVCache.step: the cache grows in steps of this many tokens
-DEFAULT_PREFILL_CHUNK = 2048  # the most prompt tokens one forward pass takes
+DEFAULT_PREFILL_CHUNK = 2048  # the most prompt tokens one forward pass takes (a GPU's: its attention is fused)
+# On the CPU, attention computes the whole (chunk x context) square of scores, the masked half included, so
+# smaller chunks compute less of it: prefill at 1,500 tokens measured 1.36x faster with chunks of at most 256
+# than 2048 on the default pair, 1.14x on SmolLM2 (2-core Xeon, 2026-12-06; docs/design.md, "Long prompts").
+CPU_PREFILL_CHUNK = 256
 # On the CPU, attention materialises a (heads x chunk x context) float32 score matrix: chunks are
 # sized to keep it under this many bytes (measured on the default pair at 8000 tokens: chunks of
 # 256 prefill as fast as 2048 with a third of the peak memory).

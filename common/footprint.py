@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from importlib import metadata as package_metadata
 from pathlib import Path
 
-from .defaults import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES, MIN_PREFILL_CHUNK
+from .defaults import CPU_PREFILL_CHUNK, DEFAULT_PREFILL_SCORE_BYTES, MIN_PREFILL_CHUNK
 
 # Measured here (2 cores, x86_64, MLX 0.32 on the CPU with MKL): a runner's RSS before it loads
 # its models is 88-95 MiB; the rest of this figure is what gRPC's threads and the first allocations
@@ -380,7 +380,7 @@ class Estimate:
 
 
 def prefill_score_bytes(
-    heads: int, context: int, score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES, max_chunk: int = DEFAULT_PREFILL_CHUNK
+    heads: int, context: int, score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES, max_chunk: int = CPU_PREFILL_CHUNK
 ) -> int:
     """The largest score matrix a CPU prefill over ``context`` tokens makes (see ``prefill_chunk_size``)."""
     chunk = min(max_chunk, context, max(MIN_PREFILL_CHUNK, score_bytes // max(1, heads * context * 4)))
@@ -400,6 +400,7 @@ def estimate(
     here: int | None = None,
     images: int = 8,
     image_pixels: int = DEFAULT_IMAGE_PIXELS,
+    max_chunk: int = CPU_PREFILL_CHUNK,
 ) -> Estimate:
     """Peak memory of a runner serving ``footprints`` (target first) at ``dtype`` over ``context`` tokens; with
     ``kv_bits`` the target's KV cache is counted quantized (the draft's stays float). With ``ranks`` > 1 (a
@@ -407,7 +408,8 @@ def estimate(
     share of the target's layers and cache (the largest run of layers a rank gets, for each), and per process
     the target's weights outside its layers (embeddings, head: whole on every rank, in both tensor and
     pipeline parallelism), a whole draft, its cache, a prefill's transient and the runtime. A model that sees
-    adds its vision tower's transient for ``images`` images of at most ``image_pixels`` pixels."""
+    adds its vision tower's transient for ``images`` images of at most ``image_pixels`` pixels. ``max_chunk``:
+    the most tokens a CPU prefill pass takes (``RunnerSettings.prefill_chunk_on``)."""
     target, drafts = footprints[0], footprints[1:]
     here = ranks if here is None else here
     tokens = min(context or target.context_length, target.context_length)
@@ -422,7 +424,7 @@ def estimate(
     )
     prefill = 0
     if device == "cpu":
-        prefill = 2 * here * prefill_score_bytes(max(f.heads for f in footprints), tokens, score_bytes)
+        prefill = 2 * here * prefill_score_bytes(max(f.heads for f in footprints), tokens, score_bytes, max_chunk)
     runtime = RUNTIME_OVERHEAD if runtime_overhead is None else runtime_overhead
     if target.kind != "generate":  # an embedding model or reranker (runner/embedding): no cache; a batch's
         # attention scores are kept under score_bytes, its activations are a fraction of them

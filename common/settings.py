@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .defaults import (
+    CPU_PREFILL_CHUNK,
     DEFAULT_DTYPE,
     DEFAULT_GRACE,
     DEFAULT_MAX_BATCH,
@@ -122,6 +123,14 @@ def _path(key: str, value) -> Path:
     return Path(value)
 
 
+def _chunk(key: str, value) -> int | None:
+    if value == "auto" or value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SettingsError(key, 'must be "auto" or a positive number')
+    return value
+
+
 def _depth(key: str, value) -> int | None:
     if value == "auto" or value is None:
         return None
@@ -174,7 +183,11 @@ def _cache_limit(key: str, value) -> str | int:
 
 
 # The text form of a value on the command line, for each parser that does not take strings already.
-_FROM_TEXT = {"int": int, "float": float, "depth": lambda text: text if text == "auto" else int(text)}
+def _auto_or_int(text: str) -> str | int:
+    return text if text == "auto" else int(text)
+
+
+_FROM_TEXT = {"int": int, "float": float, "depth": _auto_or_int, "chunk": _auto_or_int}
 _PARSERS = {
     "int": _typed(int),
     "float": _typed(float),
@@ -184,6 +197,7 @@ _PARSERS = {
     "size": parse_size,
     "duration": parse_duration,
     "depth": _depth,
+    "chunk": _chunk,
     "cache_limit": _cache_limit,
     "adapters": _adapters,
     "ints": _ints,
@@ -266,7 +280,12 @@ class RunnerSettings:
     cache_limit: str | int = setting(
         CACHE_LIMIT_DEFAULT, "cache_limit", 'MLX\'s pool cap: "default" (MLX\'s), "unbounded" or a size'
     )
-    prefill_chunk: int = setting(DEFAULT_PREFILL_CHUNK, "int", "the most prompt tokens one forward pass takes")
+    prefill_chunk: int | None = setting(
+        None,
+        "chunk",
+        f'the most prompt tokens one forward pass takes; "auto": {DEFAULT_PREFILL_CHUNK} on a GPU, '
+        f"{CPU_PREFILL_CHUNK} on the CPU (its attention computes the masked half of a chunk's scores)",
+    )
     dtype: str = setting(
         DEFAULT_DTYPE,
         "str",
@@ -459,8 +478,6 @@ class RunnerSettings:
             raise SettingsError("ngram_min", "must be at least 1 and at most ngram_max")
         if self.release_interval <= 0:
             raise SettingsError("release_interval", "must be positive")
-        if self.prefill_chunk <= 0:
-            raise SettingsError("prefill_chunk", "must be positive")
         if not 1 <= self.ranks <= MAX_RANKS:
             raise SettingsError("ranks", f"must lie in [1, {MAX_RANKS}]")
         if self.parallelism not in PARALLELISMS:
@@ -532,6 +549,12 @@ class RunnerSettings:
         """A prefill chunk should take about this long, at most: a quarter of the stall time."""
         return self.stall_after / 4
 
+    def prefill_chunk_on(self, device: str) -> int:
+        """The most prompt tokens one forward pass takes on ``device`` ("cpu" or a GPU's)."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        return CPU_PREFILL_CHUNK if device == "cpu" else DEFAULT_PREFILL_CHUNK
+
     @property
     def prefill_score_bytes(self) -> int:
         """CPU attention's transient score matrix, at most (``runner.prefill``)."""
@@ -572,7 +595,7 @@ class RunnerSettings:
         group = parser.add_argument_group("settings (also the keys of a model's table in the supervisor's config)")
         for f in dataclasses.fields(cls):
             flag = _flag(f.name)
-            default = "auto" if f.name == "num_draft_tokens" else f.default
+            default = "auto" if f.metadata["kind"] in ("depth", "chunk") else f.default
             if f.metadata["kind"] == "bool":
                 group.add_argument(
                     flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"]

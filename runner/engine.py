@@ -494,7 +494,7 @@ class Engine:
         )
         planner = PrefillPlanner(
             heads,
-            self.settings.prefill_chunk,
+            self.settings.prefill_chunk_on(self.device),
             self.settings.prefill_seconds,
             self.settings.prefill_score_bytes if self.device == "cpu" else None,
         )

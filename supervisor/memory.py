@@ -180,6 +180,7 @@ class Estimates:
             here=1 if model.runner.hostfile else None,  # across hosts, rank 0's share; the others are theirs
             images=model.runner.max_images,
             image_pixels=model.runner.image_pixels,
+            max_chunk=model.runner.prefill_chunk_on(device),
         )
         return needed, dtype
 

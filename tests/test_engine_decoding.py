@@ -2,8 +2,10 @@
 
 import pytest
 
+from common.defaults import CPU_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK
 from common.requests import FinishReason
 from runner.engine import GenerationRequest
+from runner.prefill import PROBE_CHUNK
 from tests.helpers import collect
 
 PROMPT = "The for statement is used to iterate over the elements of a sequence"
@@ -114,3 +116,16 @@ def test_eos_stops_generation_and_is_not_emitted(plain_600):
         engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=600, num_draft_tokens=3, ignore_eos=True))
     )
     assert ignoring == plain_tokens
+
+
+def test_a_long_prompt_prefills_in_chunks_of_at_most_the_devices_cap(engine):
+    """prefill_chunk "auto": 256 tokens a pass on the CPU (its attention computes a chunk's whole square of
+    scores, the masked half too), 2048 on a GPU; the first pass is the 128-token probe."""
+    ids = tuple(100 + (i * 7) % 3000 for i in range(900))
+    _, _, last = collect(
+        engine.generate(GenerationRequest(prompt_ids=ids, max_tokens=4, ignore_eos=True, cache_prompt=False))
+    )
+    chunks = list(last.stats.prefill_chunks)
+    cap = CPU_PREFILL_CHUNK if engine.device == "cpu" else DEFAULT_PREFILL_CHUNK
+    assert sum(chunks) == len(ids) - 1 and chunks[0] == PROBE_CHUNK, chunks
+    assert max(chunks) == min(cap, len(ids) - 1 - PROBE_CHUNK), chunks

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, MAX_NUM_DRAFT_TOKENS
+from common.defaults import (
+    CPU_PREFILL_CHUNK,
+    DEFAULT_DRAFT,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_TARGET,
+    MAX_NUM_DRAFT_TOKENS,
+)
 from common.settings import RunnerSettings, SettingsError
 from runner.__main__ import parse_args
 
@@ -72,6 +78,20 @@ def test_every_setting_survives_the_command_line():
     for case in (EVERY_SETTING_CHANGED, A_GROUP):
         args, settings = parse_args(["--listen", "unix:///tmp/x.sock", *case.to_argv()])
         assert settings == case and args.listen == "unix:///tmp/x.sock"
+
+
+def test_prefill_chunk_auto_is_the_devices_and_a_number_pins_it():
+    auto = RunnerSettings()
+    assert auto.prefill_chunk is None and auto.prefill_chunk_on("cpu") == CPU_PREFILL_CHUNK
+    assert auto.prefill_chunk_on("gpu") == DEFAULT_PREFILL_CHUNK
+    pinned = RunnerSettings.from_table({"prefill_chunk": 1024})
+    assert pinned.prefill_chunk_on("cpu") == pinned.prefill_chunk_on("gpu") == 1024
+    assert RunnerSettings.from_table({"prefill_chunk": "auto"}) == auto
+    argv = ["--listen", "127.0.0.1:1", "--target", str(DEFAULT_TARGET), "--prefill-chunk", "auto"]
+    assert parse_args(argv)[1] == RunnerSettings(target=DEFAULT_TARGET)
+    for bad in (0, -5, "big", 1.5, True):
+        with pytest.raises(SettingsError, match="prefill_chunk"):
+            RunnerSettings.from_table({"prefill_chunk": bad})
 
 
 def test_defaults_make_no_flags_and_parse_back_to_defaults():

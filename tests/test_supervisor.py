@@ -20,9 +20,10 @@ PROMPT = "The for statement is used to iterate over the elements of a sequence"
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
-    # beta's MLX thread counts as hung after 1 s without progress (the default is 30 s)
+    # beta's MLX thread counts as hung after 1 s without progress (the default is 30 s); its chunks may be as
+    # long as a GPU's, so what splits its prefill is the time limit
     sup = SupervisorProcess(
-        tmp_path_factory.mktemp("two"), model_toml("alpha") + model_toml("beta", stall_after="1s")
+        tmp_path_factory.mktemp("two"), model_toml("alpha") + model_toml("beta", stall_after="1s", prefill_chunk=2048)
     ).wait_ready()
     yield sup
     assert sup.stop() == 0
