@@ -1,4 +1,4 @@
-"""LoRA adapters over one base (runner/adapters.py): what an adapter costs a request alone, and what 8 clients
+"""LoRA adapters over one base (runner/loading/adapters.py): what an adapter costs a request alone, and what 8 clients
 get when they all use the base, all one adapter, or a mix of two adapters and the base (rows of one batch).
 
 The default pair's target with two random LoRA adapters in mlx-lm's format (rank 8 on q and v, rank 4 on q and

@@ -17,7 +17,7 @@ parts, each printing Markdown tables:
   off, in a fresh process each: MLX's active, pool and peak bytes, the
   process's RSS and, on an NVIDIA GPU, what ``nvidia-smi`` says it holds.
 - ``new_shapes``: one prompt decoded twice, plainly and speculating, with
-  runner.attention's rule on and off, in a fresh process each: ms per round
+  runner.loading.attention's rule on and off, in a fresh process each: ms per round
   the first time (every cache length new) and the second (MLX's per-shape
   caches warm). Without the rule, the first pass paid ~60 ms a round on an
   H200 for cuDNN's per-shape attention plans.
@@ -97,7 +97,7 @@ def forward() -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from common.defaults import DEFAULT_TARGET, SMOLLM2_DIR
-    from runner.loading import load_model
+    from runner.loading.load import load_model
     from runner.platform import auto_dtype
 
     batches = (1, 2, 4) if QUICK else (1, 16, 64) if FOCUS else (1, 2, 4, 8, 16, 32, 64)

@@ -4,7 +4,7 @@ In one run, in-process (the runner adds nothing measurable, see the runner
 table): our plain decoding, fixed depths k = 1..6, the adaptive depth (the
 default), each drafter, and mlx-lm's ``generate_step`` and
 ``speculative_generate_step`` on the same checkpoints in the same dtype, but
-without our one-row padding (``runner.row_padding``), as mlx-lm runs them. Greedy throughout, so
+without our one-row padding (``runner.loading.row_padding``), as mlx-lm runs them. Greedy throughout, so
 every configuration emits the same tokens. tok/s counts decode only (from the
 first token to the last) and is summed over the prompts of a kind. The
 configurations take turns on each prompt, so the machine's drift is shared.
@@ -29,7 +29,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from common.settings import RunnerSettings
 from runner.engine import Engine
-from runner.loading import load_model
+from runner.loading.load import load_model
 from runner.request import GenerationRequest, end_of_turn_ids
 
 PROSE = (
@@ -115,7 +115,7 @@ def after_first_token(s) -> tuple[int, float]:
 
 
 def as_mlx_lm_runs_it(engine: Engine) -> tuple:
-    """(target, draft): the engine's checkpoints in its dtype, without runner.row_padding and runner.fusion
+    """(target, draft): the engine's checkpoints in its dtype, without runner.loading.row_padding and runner.loading.fusion
     (mlx-lm's layers as they ship)."""
     return tuple(
         load_model(loaded.path, loaded.dtype, row_padding=False, fuse=False).model if loaded else None

@@ -14,7 +14,7 @@ of each kind.
 - batching with a quantized KV cache (kv_bits 8): the rows one ``batch_memory`` admits against float's (goal
   >= 1.8x), 8 concurrent requests' tok/s batched at 8 bits against float (alternated), and whether each batched
   8-bit request's greedy tokens are its tokens alone.
-- stacked projections (``runner.fusion``): mlx-lm's ``generate_step`` on the target loaded with its q/k/v and gate/up
+- stacked projections (``runner.loading.fusion``): mlx-lm's ``generate_step`` on the target loaded with its q/k/v and gate/up
   projections stacked against the same checkpoint as mlx-lm ships it, alternated; and whether the tokens are the
   same. (No goal of its own: it is part of why item 1's ratio is what it is.)
 Not here: constrained decoding against free decoding (item 4) is bench/structured.py's, the relay at 16 clients
@@ -33,7 +33,7 @@ from bench.speculation import as_mlx_lm_runs_it, ours, plain_rows, table
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, SMOLLM2_DIR
 from common.settings import RunnerSettings
 from runner.engine import Engine
-from runner.loading import load_model
+from runner.loading.load import load_model
 from runner.request import GenerationRequest
 from runner.worker import MlxWorker
 
@@ -104,7 +104,7 @@ FUSION_RUNS = 4
 
 
 def fusion(label: str, folder, dtype: str, tokens: int) -> list[str]:
-    """mlx-lm's generate_step over ``folder`` stacked (runner.fusion) and apart, alternated: tok/s after the first token."""
+    """mlx-lm's generate_step over ``folder`` stacked (runner.loading.fusion) and apart, alternated: tok/s after the first token."""
     apart = load_model(folder, dtype, row_padding=False, fuse=False).model
     stacked = load_model(folder, dtype, row_padding=False).model
     ids = mx.array(list(range(100, 140)))

@@ -395,7 +395,7 @@ class RunnerSettings:
         "",
         "adapters",
         "LoRA adapters over the target, chosen per request (model NAME:ADAPTER): in the config a table "
-        '{name = "folder or org/repo"}; on the command line name=folder,name=folder (runner/adapters.py)',
+        '{name = "folder or org/repo"}; on the command line name=folder,name=folder (runner/loading/adapters.py)',
     )
     reasoning_format: str = setting(
         "auto",

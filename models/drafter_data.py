@@ -149,7 +149,7 @@ class Sequence:
 
 def load_target(folder: str | Path):
     """(model, tokenizer) as the runner loads the target on a CPU: float32, no row padding."""
-    from runner.loading import load_model
+    from runner.loading.load import load_model
 
     loaded = load_model(folder, "float32", row_padding=False)
     return loaded.model, loaded.tokenizer

@@ -259,7 +259,7 @@ def build_qwen(out: Path) -> None:
 def verify(out: Path) -> None:
     """Each loads through the runner's loader with its MTP layer, and its MTP layer drafts."""
     from runner.drafting.mtp import HiddenModel, MTPDrafter
-    from runner.loading import load_model
+    from runner.loading.load import load_model
     from runner.sampling import SamplingParams
 
     for name in ("deepseek_v3", "glm4_moe", "qwen3_5"):

@@ -37,7 +37,6 @@ from common.reasoning import of_setting
 from common.settings import CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED, RunnerSettings, adapter_folders
 from common.tool_calls import detect
 
-from .adapters import AdaptedModel, with_adapters
 from .batch_memory import CacheCost
 from .constraint import Grammars
 from .decoders import LAYER_SLOTS, Decoder, PlainDecoder, SpeculativeDecoder
@@ -45,7 +44,8 @@ from .drafting.depth import DepthController, FixedDepth
 from .drafting.drafters import ModelDrafter, NgramDrafter
 from .drafting.mtp import HiddenModel, MTPDrafter
 from .kv_quant import KVQuantization
-from .loading import LoadedModel, load_model
+from .loading.adapters import AdaptedModel, with_adapters
+from .loading.load import LoadedModel, load_model
 from .malloc import malloc_trim
 from .mrope import PositionedModel, rope_delta
 from .penalties import Penalties
@@ -163,7 +163,7 @@ class Engine:
             cold_after=0.0 if self.kv is not None else settings.prompt_cache_cold_after,
             measure=self._entry_measure(target, group),
         )
-        # LoRA adapters over the target (runner.adapters): one copy of the base, an adapter chosen per request.
+        # LoRA adapters over the target (runner.loading.adapters): one copy of the base, an adapter chosen per request.
         folders = {name: Path(folder) for name, folder in adapter_folders(settings.adapters).items()}
         self.adapters, self._adapter_rows = with_adapters(target.model, folders) if folders else ([], None)
         self.adapter_names = tuple(adapter.name for adapter in self.adapters)

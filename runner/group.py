@@ -81,7 +81,7 @@ def free_ports(count: int) -> list[int]:
 
 def shard_problem(folder: Path, ranks: int) -> str:
     """Why the model in ``folder`` cannot be split ``ranks`` ways by tensor parallelism ("" when it can)."""
-    from .architecture import architecture
+    from .loading.architecture import architecture
 
     try:
         config, model_class = architecture(folder)

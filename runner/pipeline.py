@@ -33,7 +33,7 @@ WRAPPED_KINDS = frozenset({"llama", "mistral", "qwen3"})
 
 def pipeline_problem(folder: Path, ranks: int, backend: str = "ring") -> str:
     """Why the model in ``folder`` cannot be pipelined across ``ranks`` processes ("" when it can)."""
-    from .architecture import architecture
+    from .loading.architecture import architecture
 
     try:
         config, model_class = architecture(folder)

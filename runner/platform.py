@@ -3,7 +3,7 @@
 MLX runs on Apple GPUs (Metal), NVIDIA GPUs (CUDA, the ``mlx[cuda12]`` /
 ``mlx[cuda13]`` wheels) and the CPU. What was decided on CPU timings applies on
 the CPU only: float32 for ``dtype = "auto"`` (``common.footprint.resolve_dtype``),
-the MKL preload (``common.cpu_blas``), one-row padding (``runner.row_padding``)
+the MKL preload (``common.cpu_blas``), one-row padding (``runner.loading.row_padding``)
 and the prefill's cap on the attention score matrix (``runner.prefill``). On a
 GPU, the checkpoint's form is kept and the others are off. Info and the
 start-up line name the device and the backend with ``describe()``.

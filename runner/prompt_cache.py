@@ -152,7 +152,7 @@ class Entry:
     nbytes: int
     used: float = field(default_factory=time.monotonic)  # when it was stored or last hit
     cold: bool = False  # its float KV layers are held quantized (the cold tier)
-    namespace: int = 0  # the LoRA adapter it was computed with (runner.adapters; 0: the base alone)
+    namespace: int = 0  # the LoRA adapter it was computed with (runner.loading.adapters; 0: the base alone)
 
 
 @dataclass

@@ -80,7 +80,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # score the prompt's tokens (its whole prefill, no prompt-cache reuse)
     context_ids: tuple[int, ...] = ()  # an earlier exchange's tokens, before the prompt (Ollama's context)
     return_prompt_ids: bool = False  # the first chunk carries the prompt's token ids
-    adapter: str = ""  # a LoRA adapter of the model's (runner.adapters); "" = the base alone
+    adapter: str = ""  # a LoRA adapter of the model's (runner.loading.adapters); "" = the base alone
     think: str = ""  # a model that thinks (common.reasoning.plan): "on", "off", "" = its default
     reasoning_budget: int | None = None  # the most reasoning tokens (its end forced there); None = unbounded
     reasoning_effort: str = ""  # common.reasoning.EFFORTS
@@ -297,7 +297,7 @@ def prepare(
     ``counting``: only to count its prompt's tokens (Anthropic's count_tokens), so a prompt longer than the
     context is counted, not refused (the request's size is bounded by the gRPC message's).
     ``max_output_tokens``: the model's cap on an answer (its setting; 0 = none); ``adapters``: the names of the
-    model's LoRA adapters, in their order (runner.adapters)."""
+    model's LoRA adapters, in their order (runner.loading.adapters)."""
     check_fields(**{f.name: getattr(request, f.name) for f in fields(request) if f.name in CHECKED})
     if request.max_context:
         context_length = min(context_length, request.max_context)

@@ -41,7 +41,7 @@ from common.tool_calls import ToolCallStream
 
 from . import platform
 from .engine import Engine
-from .loading import LoadedModel
+from .loading.load import LoadedModel
 from .request import GenerationRequest, PreparedRequest
 from .results import GenerationStats, Round
 from .worker import MlxWorker

@@ -1,4 +1,4 @@
-"""LoRA adapters over one base (runner/adapters.py; issue #37): an adapter changes the answer, and greedy output
+"""LoRA adapters over one base (runner/loading/adapters.py; issue #37): an adapter changes the answer, and greedy output
 with it equals mlx-lm's ``load(..., adapter_path=...)``; requests with different adapters (and none) decode as
 rows of one batch, each as it would alone; the prompt cache never gives one adapter's KV to another; a model
 names its adapters in the config and a request picks one with ``model: "NAME:ADAPTER"``.

@@ -1,4 +1,4 @@
-"""runner.attention: small attentions as plain ops (on CUDA, instead of a cuDNN plan per shape).
+"""runner.loading.attention: small attentions as plain ops (on CUDA, instead of a cuDNN plan per shape).
 
 The rule is for CUDA; here it is turned on for the CPU (MLXSERVE_PLAIN_ATTENTION=1),
 where its results must match MLX's own attention, and a model routed through it
@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runner.attention import MAX_SCORE_BYTES, applies, attention, plain_attention
+from runner.loading.attention import MAX_SCORE_BYTES, applies, attention, plain_attention
 from tests.processes import child_environment
 
 

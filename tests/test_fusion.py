@@ -1,4 +1,4 @@
-"""Projections that read one input run as one product (runner.fusion): the same logits, the same weights once."""
+"""Projections that read one input run as one product (runner.loading.fusion): the same logits, the weights once."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from common.defaults import DEFAULT_TARGET
-from runner import fusion
-from runner.adapters import MultiLoRALinear
-from runner.loading import load_model
+from runner.loading import fusion
+from runner.loading.adapters import MultiLoRALinear
+from runner.loading.load import load_model
 from tests.test_row_padding import greedy
 
 

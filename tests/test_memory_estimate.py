@@ -10,7 +10,7 @@ from common.defaults import DEFAULT_TARGET, SMOLLM2_DIR
 from common.footprint import Estimate, ModelFootprint, default_prompt_cache_bytes, estimate
 from common.settings import RunnerSettings
 from runner.batch_memory import BatchMemory, CacheCost
-from runner.loading import load_model
+from runner.loading.load import load_model
 from supervisor.config import ModelConfig
 from supervisor.memory import batch_memory_budget, prompt_cache_budget
 from tests.processes import SupervisorProcess, model_toml

@@ -246,10 +246,10 @@ def test_runner_serves_smollm2_in_float32_on_the_cpu_and_says_what_it_is(smollm2
     assert target.dtype == "float32" and "auto: float32 on the CPU" in info.dtype_reason
     assert target.context_length == 8192 and target.vocab_size == 49152 and target.rewindable
     # Each layer's q/k/v and gate/up projections run as one product each, with the logits checked equal as it
-    # loaded (runner.fusion)
+    # loaded (runner.loading.fusion)
     assert target.fusion.startswith("on: 30 q/k/v and 30 gate/up groups"), target.fusion
     # 30 layers x 4 products and the tied embedding run one-row inputs as two rows where that measured faster
-    # as it loaded, and Info says which, with both times (runner.row_padding)
+    # as it loaded, and Info says which, with both times (runner.loading.row_padding)
     if mkl_library():
         assert target.row_padded_layers in (0, 30 * 4 + 1) and "ms a step" in target.row_padding
         assert target.row_padding.startswith("on" if target.row_padded_layers else "off"), target.row_padding

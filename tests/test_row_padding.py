@@ -1,4 +1,4 @@
-"""One-row products run as two rows on the CPU with MKL (runner.row_padding): same results, other kernel."""
+"""One-row products run as two rows on the CPU with MKL (runner.loading.row_padding): same results, other kernel."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from common import cpu_blas
 from common.defaults import DEFAULT_TARGET
-from runner import row_padding
-from runner.loading import load_model
+from runner.loading import row_padding
+from runner.loading.load import load_model
 
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -46,7 +46,7 @@ def test_the_rule_applies_on_the_cpu_with_mkl_unless_overridden(monkeypatch):
 def test_every_float_linear_and_embedding_is_padded_and_nothing_else(both):
     padded, plain = both
     kinds = [type(m) for _, m in padded.model.named_modules()]
-    # 8 layers x 4 products (q/k/v stacked, o, gate/up stacked, down: runner.fusion), the tied embedding (it is
+    # 8 layers x 4 products (q/k/v stacked, o, gate/up stacked, down: runner.loading.fusion), the tied embedding (it is
     # also the output projection); no plain Linear left
     assert (
         padded.padded_layers

@@ -216,7 +216,7 @@ def target_identity(folder: Path) -> str:
 
 
 def check(config: BlockConfig, target) -> None:
-    """A BlockError naming why ``config``'s drafter cannot serve ``target`` (a runner.loading.LoadedModel)."""
+    """A BlockError naming why ``config``'s drafter cannot serve ``target`` (a runner.loading.load.LoadedModel)."""
     args = _text_model(target.model).args
     if config.target is not None and config.target != target_identity(target.path):
         raise BlockError(

@@ -148,7 +148,7 @@ def save_head(head: EagleHead, folder: Path, config: dict) -> None:
 
 
 def load_head(folder: str | Path, target) -> EagleHead:
-    """The head in ``folder`` for ``target`` (a runner.loading.LoadedModel), in the target's float dtype; raises
+    """The head in ``folder`` for ``target`` (a runner.loading.load.LoadedModel), in the target's float dtype; raises
     ValueError naming the mismatch where it was trained for another target."""
     folder = Path(folder)
     config = read_head_config(folder)
@@ -160,8 +160,8 @@ def load_head(folder: str | Path, target) -> EagleHead:
     head = EagleHead(target.model, int(trained["layer_index"]), int(trained.get("draft_vocab") or 0))
     head.load_weights(list(weights.items()), strict=True)
     head.set_dtype(_text_model(target.model).model.norm.weight.dtype)  # floats only: d2t stays int32
-    if target.padded_layers:  # the target's one-row products run as two rows here: the head's too (runner.row_padding)
-        from ..row_padding import pad_single_rows
+    if target.padded_layers:  # the target's one-row products run as two rows (runner.loading.row_padding): so do its
+        from ..loading.row_padding import pad_single_rows
 
         pad_single_rows(head)
     mx.eval(head.parameters())

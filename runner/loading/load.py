@@ -22,10 +22,10 @@ from mlx_lm.utils import dequantize_model, get_total_parameters
 from common.errors import ModelLoadError
 from common.footprint import context_length
 
+from ..rewind import rewindable
 from .attention import applies as plain_attention_applies
 from .attention import use_plain_attention
 from .fusion import fuse as fuse_projections
-from .rewind import rewindable
 from .row_padding import applies as row_padding_applies
 from .row_padding import decide as decide_row_padding
 from .row_padding import pad_single_rows
@@ -40,13 +40,13 @@ class LoadedModel:
     dtype: str  # the resolved setting: "checkpoint" or "float32"
     parameters: int  # true count (quantized weights unpacked)
     max_context: int | None = None  # a per-model limit below the config's
-    padded_layers: int = 0  # layers that run one-row inputs as two rows (runner.row_padding)
-    plain_attention: int = 0  # model modules whose small attentions run as plain ops (runner.attention)
+    padded_layers: int = 0  # layers that run one-row inputs as two rows (runner.loading.row_padding)
+    plain_attention: int = 0  # model modules whose small attentions run as plain ops (runner.loading.attention)
     vision: object = None  # a model that sees: its runner.vision.Vision (model is then its language model)
-    row_padding: str = ""  # whether one-row products run as two rows, and why (runner.row_padding)
+    row_padding: str = ""  # whether one-row products run as two rows, and why (runner.loading.row_padding)
     mtp: object = None  # its own multi-token-prediction layer (runner.drafting.mtp), where the checkpoint has one
-    fused_groups: int = 0  # projections that read one input, stacked into one product (runner.fusion)
-    fusion: str = ""  # whether they are, and why (runner.fusion)
+    fused_groups: int = 0  # projections that read one input, stacked into one product (runner.loading.fusion)
+    fusion: str = ""  # whether they are, and why (runner.loading.fusion)
 
     @property
     def quantization(self) -> dict | None:
@@ -129,12 +129,12 @@ def load_model(
 ) -> LoadedModel:
     """Load one mlx-lm folder in ``dtype`` ("checkpoint" or "float32"); every failure is a ModelLoadError.
 
-    ``row_padding``: run one-row products as two rows (``runner.row_padding``); None = where it is faster, measured
-    on this model as it loads.
+    ``row_padding``: run one-row products as two rows (``runner.loading.row_padding``); None = where it is faster,
+    measured on this model as it loads.
     ``group``: a ``runner.group.Group``: keep this rank's share of the weights (mlx-lm's ``shard``, or its run
     of layers for a pipeline: ``runner.pipeline``), before any layer is wrapped.
     ``fuse``: stack the projections that read one input into one product where the logits stay the same
-    (``runner.fusion``; a group's ranks are left apart: checking would need the whole group's pass)."""
+    (``runner.loading.fusion``; a group's ranks are left apart: checking would need the whole group's pass)."""
     from mlx_lm.utils import load as mlx_lm_load
 
     path = Path(folder)
@@ -144,10 +144,10 @@ def load_model(
         raise ModelLoadError(path, "config.json is missing")
     vision = None
     try:
-        from .vision import is_vision
+        from ..vision import is_vision
 
         if is_vision(path):  # a vision-language checkpoint: mlx-vlm's, decoded by mlx-lm's language model class
-            from .vision import load as load_vision
+            from ..vision import load as load_vision
 
             model, tokenizer, config, vision = load_vision(path, dtype)
         else:
@@ -163,7 +163,7 @@ def load_model(
             model.set_dtype(mx.float32)
         mx.eval(model.parameters())
         if group is not None and group.mode == "pipeline":
-            from .pipeline import pipeline
+            from ..pipeline import pipeline
 
             pipeline(model, group.group)
             mx.eval(model.parameters())
@@ -178,7 +178,7 @@ def load_model(
         else:
             fused, fusion = fuse_projections(model)
         plain = use_plain_attention(model) if plain_attention_applies() else 0
-        if row_padding is None and group is None:  # measured here, on this model (runner.row_padding)
+        if row_padding is None and group is None:  # measured here, on this model (runner.loading.row_padding)
             padded, padding = decide_row_padding(model, identity(path, dtype) + ("|fused" if fused else ""))
         elif row_padding is None:  # a group's ranks must agree: the device's rule
             padded = pad_single_rows(model) if row_padding_applies() else 0
@@ -188,7 +188,7 @@ def load_model(
             padding = f"{'on' if row_padding else 'off'}: asked"
         mtp = None
         if vision is None and group is None:
-            from .drafting.mtp import load_mtp
+            from ..drafting.mtp import load_mtp
 
             mtp = load_mtp(path, model, config, dtype)
     except Exception as error:  # noqa: BLE001 - any cause is reported with the folder
@@ -218,7 +218,7 @@ def _load_text(path: Path, mlx_lm_load):
 
     from mlx_lm.utils import _get_classes
 
-    from .drafting.mtp import drop_mtp_layers
+    from ..drafting.mtp import drop_mtp_layers
 
     config = json.loads((path / "config.json").read_text())
     try:

@@ -1,7 +1,7 @@
 """What a model folder is, read without loading its weights: its config and mlx-lm's model class.
 
 For the checks made before a load (whether a runner group can split the model: ``runner.group``,
-``runner.pipeline``); the load itself is ``runner.loading``.
+``runner.pipeline``); the load itself is ``runner.loading.load``.
 """
 
 from __future__ import annotations

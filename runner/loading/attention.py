@@ -31,7 +31,7 @@ import sys
 
 import mlx.core as mx
 
-from .platform import backend
+from ..platform import backend
 
 ENV = "MLXSERVE_PLAIN_ATTENTION"
 # Scores as float32: 16 query tokens x 32 heads x 32k keys is 64 MiB.

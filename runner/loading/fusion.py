@@ -16,7 +16,7 @@ it. The first part asked for an input computes the whole product; the others ask
 same array: the layer passes one ``x`` to each) take their columns of it, and once each has, it is forgotten.
 A part asked for another input (or twice for one) starts a new product. The layers' code is mlx-lm's, unchanged; LoRA
 adapters wrap a part as they wrap a ``Linear`` (``weight`` gives its rows), and one-row padding
-(``runner.row_padding``) pads the stacked layer.
+(``runner.loading.row_padding``) pads the stacked layer.
 
 Checked as it is done: a short input's logits, one row and several, before and after, must be equal bit for bit,
 and each stacked product must have run once per call of its layer (an architecture that feeds the parts different
