@@ -21,6 +21,8 @@ parts, each printing Markdown tables:
   the first time (every cache length new) and the second (MLX's per-shape
   caches warm). Without the rule, the first pass paid ~60 ms a round on an
   H200 for cuDNN's per-shape attention plans.
+- ``prefill``: the default pair's prompt tok/s at each chunk cap against mlx-lm's, which decides the
+  GPU's ``prefill_chunk`` (2048 there, 256 on the CPU).
 - ``speculation``, ``batching``, ``prompt_cache``: bench/ modules of those
   names at the GPU's sizes (deeper drafts, up to 64 clients), or at small sizes
   with ``--quick`` (the CPU run that keeps this script tested).
@@ -293,6 +295,25 @@ def batching() -> None:
     )
 
 
+def prefill() -> None:
+    """The default pair's prompt tok/s with chunks of at most 256 / 512 / 2048 tokens against mlx-lm's (one pass
+    up to 2048): prefill_chunk "auto" takes 256 on the CPU, where attention computes a chunk's masked scores too,
+    and 2048 on a GPU, whose fused attention does not. This decides the GPU's."""
+    from bench.versus import prefill as versus_prefill
+    from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+    from common.settings import RunnerSettings
+    from runner.engine import Engine
+
+    lengths = (200, 600) if QUICK else (1500, 8000)
+    print("## prefill: chunk size against mlx-lm's generate_step, default pair\n")
+    print("| prompt | measure | ours / mlx-lm | goal |\n| --- | --- | --- | --- |")
+    for chunk in (256, 2048) if QUICK else (256, 512, 2048):
+        engine = Engine.load(DEFAULT_TARGET, DEFAULT_DRAFT, RunnerSettings(prompt_cache=0, prefill_chunk=chunk))
+        for row in versus_prefill(f"chunks of at most {chunk}", engine, lengths):
+            print(row, flush=True)
+    print()
+
+
 def prompt_cache() -> None:
     from bench import prompt_cache as bench
     from bench.figures import FIGURES
@@ -310,6 +331,7 @@ PARTS = {
     "speculation_smol": lambda: speculation(("smol",)),
     "batching": batching,
     "prompt_cache": prompt_cache,
+    "prefill": prefill,
 }
 
 

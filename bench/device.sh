@@ -3,7 +3,7 @@
 #
 # Writes under $OUT (default .device-out/): tables.md (every table, as each step ends), device.log (all
 # output) and pytest.log. Each step runs under its own time limit, so one that stalls costs only itself,
-# and the steps that decide the most come first. On an H200 the whole run takes at most 9.5 minutes.
+# and the steps that decide the most come first. On an H200 the whole run takes at most 10 minutes.
 #
 # Where .venv exists (here: `make install`), it is used as is. Elsewhere (the device machine, which reaches
 # no package registry) the wheels and the SmolLM2 folder staged by bench/device_stage.sh in .gpu/ are
@@ -86,7 +86,7 @@ if [ "$QUICK" = "--focus" ]; then
     step memory 25 $PY -m bench.device memory --focus
     step batching 60 $PY -m bench.device batching --focus
 elif [ -n "$QUICK" ]; then
-    for part in env new_shapes forward speculation batching memory prompt_cache; do
+    for part in env new_shapes forward speculation batching memory prefill prompt_cache; do
         step "$part" 600 $PY -m bench.device "$part" --quick
     done
 else
@@ -100,6 +100,7 @@ else
     step speculation_smol 90 $PY -m bench.device speculation_smol
     step batching 130 $PY -m bench.device batching
     step memory 35 $PY -m bench.device memory
+    step prefill 30 $PY -m bench.device prefill
     say "tests (at most 70 s)"
     timeout -k 5 70 $PY -m pytest -q -rfE -p no:cacheprovider tests/test_engine_decoding.py \
         tests/test_speculation.py tests/test_batching.py tests/test_release_rule.py \
