@@ -182,11 +182,11 @@ def _cache_limit(key: str, value) -> str | int:
     return value if value in (CACHE_LIMIT_DEFAULT, CACHE_LIMIT_UNBOUNDED) else parse_size(key, value)
 
 
-# The text form of a value on the command line, for each parser that does not take strings already.
 def _auto_or_int(text: str) -> str | int:
     return text if text == "auto" else int(text)
 
 
+# The text form of a value on the command line, for each parser that does not take strings already.
 _FROM_TEXT = {"int": int, "float": float, "depth": _auto_or_int, "chunk": _auto_or_int}
 _PARSERS = {
     "int": _typed(int),
