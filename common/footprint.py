@@ -382,7 +382,7 @@ class Estimate:
 def prefill_score_bytes(
     heads: int, context: int, score_bytes: int = DEFAULT_PREFILL_SCORE_BYTES, max_chunk: int = CPU_PREFILL_CHUNK
 ) -> int:
-    """The largest score matrix a CPU prefill over ``context`` tokens makes (see ``prefill_chunk_size``)."""
+    """The largest score matrix a CPU prefill over ``context`` tokens makes (as ``PrefillPlanner.memory_limit``)."""
     chunk = min(max_chunk, context, max(MIN_PREFILL_CHUNK, score_bytes // max(1, heads * context * 4)))
     return heads * chunk * context * 4
 
