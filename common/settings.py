@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,20 +124,21 @@ def _path(key: str, value) -> Path:
     return Path(value)
 
 
-def _chunk(key: str, value) -> int | None:
-    if value == "auto" or value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise SettingsError(key, 'must be "auto" or a positive number')
-    return value
+def _auto_or_number(low: int, high: float, expected: str):
+    """A parser for "auto" (None) or a whole number in [low, high], refused as ``must be "auto" or <expected>``."""
+
+    def parse(key: str, value) -> int | None:
+        if value == "auto" or value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise SettingsError(key, f'must be "auto" or {expected}')
+        return value
+
+    return parse
 
 
-def _depth(key: str, value) -> int | None:
-    if value == "auto" or value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NUM_DRAFT_TOKENS:
-        raise SettingsError(key, f'must be "auto" or a number in [0, {MAX_NUM_DRAFT_TOKENS}]')
-    return value
+_chunk = _auto_or_number(1, math.inf, "a positive number")
+_depth = _auto_or_number(0, MAX_NUM_DRAFT_TOKENS, f"a number in [0, {MAX_NUM_DRAFT_TOKENS}]")
 
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
