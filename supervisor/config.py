@@ -46,8 +46,10 @@ nothing: a .gguf file becomes a folder at start-up (``resolve_gguf``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import sys
 import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -138,6 +140,23 @@ class SupervisorConfig:
     @property
     def loaded_cap(self) -> int:
         return self.max_loaded or len(self.models)
+
+
+# What a unix socket's path may hold: sun_path's 108 bytes on Linux (104 on macOS) less the terminating NUL.
+SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+SOCKET_DIGEST = 12  # hex digits of a model name's digest, the shortest socket file name (plus ".sock")
+
+
+def socket_path(runtime_dir: Path, name: str) -> Path:
+    """Where the runner of model ``name`` listens: ``runtime_dir/NAME.sock``. A configured name that is a file
+    name stays as it is; a hub repository's (``org/name@rev``) has what a file name cannot hold replaced and a
+    digest added where that could make two names one. Where the path would be longer than a unix socket's may be
+    (a deep runtime_dir, a long name), the file is the name's digest alone: ``from_dict`` refused a runtime_dir
+    too deep for even that."""
+    digest = hashlib.sha256(name.encode()).hexdigest()[:SOCKET_DIGEST]
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    path = runtime_dir / (f"{name}.sock" if safe == name and len(name) <= 64 else f"{safe[:40]}-{digest}.sock")
+    return path if len(os.fsencode(path)) <= SOCKET_PATH_MAX else runtime_dir / f"{digest}.sock"
 
 
 def default_runtime_dir() -> Path:
@@ -393,6 +412,9 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
     if not is_loopback(f"{probe_host}:0") and not allow_remote:
         raise ConfigError("probe_host", f"{probe_host} is not a loopback address: set allow_remote = true to bind it")
     runtime_dir = Path(_take(data, "runtime_dir", "", str, str(default_runtime_dir())))
+    if len(os.fsencode(runtime_dir / ("0" * SOCKET_DIGEST + ".sock"))) > SOCKET_PATH_MAX:
+        room = SOCKET_PATH_MAX - SOCKET_DIGEST - len("/.sock")
+        raise ConfigError("runtime_dir", f"{runtime_dir} is too long for the runners' sockets (at most {room} bytes)")
     max_loaded = _take(data, "max_loaded", "", int, 0)
     if max_loaded < 0:
         raise ConfigError("max_loaded", "must be >= 0 (0 = all models)")

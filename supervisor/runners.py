@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import collections
 import enum
-import hashlib
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -36,7 +34,7 @@ from common.cpu_blas import fast_blas_environment
 from common.logs import record_from_json
 from common.protocol import runner_pb2
 
-from .config import ModelConfig, SupervisorConfig
+from .config import ModelConfig, SupervisorConfig, socket_path
 
 log = logging.getLogger("supervisor")
 runner_log = logging.getLogger("supervisor.runner")  # the runners' records, read back from their stderr
@@ -77,21 +75,12 @@ def runner_environment(config) -> dict[str, str]:
     return env
 
 
-def socket_name(name: str) -> str:
-    """A file name for a model's socket: a configured name as it is; a hub repository's (``org/name@rev``) with
-    what a file name cannot hold replaced, and a digest where that could make two names one or too long a path."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
-    if safe == name and len(name) <= 64:
-        return name
-    return f"{safe[:40]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
-
-
 class ManagedRunner:
     def __init__(self, model: ModelConfig, config: SupervisorConfig, on_change=lambda runner: None):
         self.model = model
         self.name = model.name
         self.config = config
-        self.socket = config.runtime_dir / f"{socket_name(model.name)}.sock"
+        self.socket = socket_path(config.runtime_dir, model.name)
         self.address = f"unix://{self.socket}"
         self._on_change = on_change
         self._cond = threading.Condition()

@@ -4,7 +4,7 @@ import pytest
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from supervisor.config import ConfigError, default_config, from_dict, load, parse_duration, parse_size, resolve_gguf
-from tests.processes import REPO, SupervisorProcess, serve_expecting_refusal, terminate
+from tests.processes import REPO, SupervisorProcess, model_toml, serve_expecting_refusal, terminate
 
 GOOD = {"models": {"m": {"target": str(DEFAULT_TARGET), "draft": str(DEFAULT_DRAFT)}}}
 
@@ -57,6 +57,7 @@ def test_zero_config_serves_the_default_pair_on_loopback():
         ({**GOOD, "probe_port": 70000}, "probe_port"),
         ({**GOOD, "max_restarts": 0}, "max_restarts"),
         ({**GOOD, "tls_cert": "cert.pem"}, "tls_cert"),
+        ({**GOOD, "runtime_dir": "/tmp/" + "r" * 100}, "runtime_dir"),  # no unix socket's path is that long
         ({"models": {"bad name!": {"target": str(DEFAULT_TARGET)}}}, "models.bad name!"),
     ],
 )
@@ -206,6 +207,21 @@ def test_the_supervisor_serves_a_gguf_file_named_in_its_config(tmp_path):
     finally:
         assert terminate(supervisor.process, 30) == 0
     assert "Paris" in reply.choices[0].message.content
+
+
+def test_a_deep_runtime_dir_and_a_long_model_name_still_serve(tmp_path):
+    """A unix socket's path holds at most 107 bytes on Linux: a runtime_dir of 85 bytes and a model named with 62
+    characters would make a path of 154. The runner listens on the name's digest instead, and answers."""
+    folder = tmp_path / ("d" * (81 - len(str(tmp_path)) - 1))  # its runtime_dir (FOLDER/run) is 85 bytes
+    name = "a-model-whose-name-is-long-as-some-are-" + "x" * 23
+    supervisor = SupervisorProcess(folder, model_toml(name, draft=None)).wait_ready(120)
+    try:
+        chunks = list(supervisor.client.generate(timeout=60, model=name, prompt="x", max_tokens=3, ignore_eos=True))
+        sockets = [str(path) for path in supervisor.runtime_dir.glob("*.sock")]
+    finally:
+        assert terminate(supervisor.process, 30) == 0
+    assert len(str(supervisor.runtime_dir)) == 85 and chunks[-1].stats.generated_tokens == 3
+    assert len(sockets) == 1 and len(sockets[0]) <= 107 and name not in sockets[0]
 
 
 def test_prompt_cache_dir_is_relative_to_the_config_and_made_or_refused_naming_its_key(tmp_path):
