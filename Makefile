@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The suite runs on two worker processes, each file on one (TEST_WORKERS=0: all in this one process).
+TEST_WORKERS ?= 2
 # MKL preload for MLX's CPU backend (common/cpu_blas.py); empty where MKL is absent.
 WITH_BLAS = env $$($(BIN)/python -m common.cpu_blas)
 # MLX's backend: CUDA where an NVIDIA driver answers (13 from driver 580 on, else 12), else the CPU's.
@@ -119,7 +121,7 @@ format: install
 	$(BIN)/ruff format .
 
 test: install lint real-model embedding-model vocabularies vision-model mtp-model drafter-heads block-model clients browser
-	$(WITH_BLAS) $(BIN)/python -m pytest -q
+	$(WITH_BLAS) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: install real-model vision-model embedding-model
 	$(WITH_BLAS) $(BIN)/python -m bench

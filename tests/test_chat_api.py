@@ -99,8 +99,10 @@ def test_chat_completion_answers_with_usage_and_speculation_figures(client):
     assert choice.finish_reason == "stop" and answer.object == "chat.completion" and answer.model == "smol"
     usage = answer.usage
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens and usage.completion_tokens > 0
-    # Cold, or (after the gRPC test) this very conversation's prompt but its last token.
-    assert usage.prompt_tokens_details.cached_tokens in (0, usage.prompt_tokens - 1)
+    # Cold, or what an earlier conversation on this shared supervisor had in common with this one (the chat
+    # template's system turn; after the gRPC test, this very prompt): never the whole prompt, whose last token
+    # is always run to get the next one. Which tests ran before depends on how make test's workers split them.
+    assert 0 <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens - 1
     assert answer.model_extra["x_mlxserve"]["drafter"] in ("none", "ngram", "model")
 
 
