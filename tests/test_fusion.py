@@ -108,6 +108,13 @@ def test_a_layer_that_feeds_its_parts_different_inputs_is_left_as_it_was():
     assert all(type(getattr(toy.layers[0], n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj"))
 
 
+def test_a_model_with_nothing_to_stack_is_not_run_to_check_it(both, monkeypatch):
+    stacked, _ = both
+    runs = []
+    monkeypatch.setattr(fusion, "_logits", lambda model, rows: runs.append(rows))
+    assert fusion.fuse(stacked.model) == (0, "off: no projections to stack") and runs == []  # stacked already
+
+
 def test_the_environment_turns_it_off(monkeypatch):
     monkeypatch.setenv(fusion.ENV, "0")
     loaded = load_model(DEFAULT_TARGET, "float32")
