@@ -412,8 +412,8 @@ def from_dict(data: dict, base: Path) -> SupervisorConfig:
     if not is_loopback(f"{probe_host}:0") and not allow_remote:
         raise ConfigError("probe_host", f"{probe_host} is not a loopback address: set allow_remote = true to bind it")
     runtime_dir = Path(_take(data, "runtime_dir", "", str, str(default_runtime_dir())))
-    if len(os.fsencode(runtime_dir / ("0" * SOCKET_DIGEST + ".sock"))) > SOCKET_PATH_MAX:
-        room = SOCKET_PATH_MAX - SOCKET_DIGEST - len("/.sock")
+    room = SOCKET_PATH_MAX - len(f"/{'0' * SOCKET_DIGEST}.sock")  # what the shortest socket path leaves the folder
+    if len(os.fsencode(runtime_dir)) > room:
         raise ConfigError("runtime_dir", f"{runtime_dir} is too long for the runners' sockets (at most {room} bytes)")
     max_loaded = _take(data, "max_loaded", "", int, 0)
     if max_loaded < 0:
