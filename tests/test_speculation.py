@@ -248,6 +248,27 @@ def test_a_runner_whose_requests_keep_alike_trusts_what_they_kept_more():
         assert (request.best() > 0) == stays
 
 
+def test_a_deep_position_few_rounds_reached_weighs_little_as_a_prior():
+    """The runner's typical acceptance at a position its requests seldom reached comes from a probe or two (one
+    rejected draft made it 0.0 at position 5 on the pair): as a request's prior there it counts for one round,
+    not the weight its first position earned, so a request that copies is not held below its own rounds there."""
+    seconds = {0: 0.040, **{k: 0.050 + 0.002 * k for k in range(1, 7)}}
+    rng = random.Random(3)
+    runner = DepthController(max_depth=6)
+    for r in range(4):  # requests that keep alike, at k = 2
+        request = runner.for_request()
+        for _ in range(80):
+            request.record(2, 2 if rng.random() < 0.6 else int(rng.random() < 0.5), seconds[2])
+        if r == 0:
+            request.record(5, 4, seconds[5])  # one probe reached position 5, and its draft there was not kept
+        request.finish()
+    assert runner.profile[4] == 0.0 and runner.weight_of_prior() == MAX_PRIOR_WEIGHT
+    copying = runner.for_request()
+    assert copying.prior_weights[0] == MAX_PRIOR_WEIGHT and copying.prior_weights[4] == PRIOR_WEIGHT
+    steady(copying, 80, seconds, 0.97, random.Random(5))
+    assert copying.acceptance[4] > 0.8 and copying.best() == 6
+
+
 def test_the_runners_typical_request_is_what_its_first_requests_kept():
     """A new runner's first requests set where the next one starts: their mean, not a quarter of the way from a
     guess of 0.5 each (after five requests of the pair's prose, that still said 0.66 where they kept 0.75, and a

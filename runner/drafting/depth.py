@@ -92,7 +92,8 @@ SMOOTHING = 0.1  # weight of the newest round in a position's decayed counts
 REQUEST_SMOOTHING = 0.25  # weight of the last request in the first position's acceptance a request starts from
 PRIOR_ACCEPTANCE = 0.5  # the first position's, before any round
 PRIOR_WEIGHT = 1.0  # rounds' worth of evidence in a position's prior (the runner's, or the position before it)
-MAX_PRIOR_WEIGHT = 8.0  # the most it grows to where the runner's requests keep alike (prior_weight)
+MAX_PRIOR_WEIGHT = 8.0  # the most it grows to where the runner's requests keep alike (weight_of_prior)
+ROUNDS_A_PRIOR_ROUND = 10  # of the runner's requests' rounds at a position, for a round's worth of its prior there
 SPREAD_REQUESTS = 3  # requests a runner has seen before their spread sets the prior's weight
 PROBE_EVERY = 10
 MAX_PROBE_EVERY = 80
@@ -156,7 +157,9 @@ class DepthController:
         self.chance = 0.0
         self.requests = 0
         self.folded = [0] * max_depth  # per position, the requests whose share moved the profile
-        self.prior_weight = PRIOR_WEIGHT  # a request's: its runner's prior_weight() when it began
+        self.evidence = [0.0] * max_depth  # per position, the rounds that reached it, decayed per request
+        # A request's, per position: what its runner's typical request is worth there (``for_request``).
+        self.prior_weights = [PRIOR_WEIGHT] * max_depth
 
     @property
     def acceptance(self) -> list[float]:
@@ -174,7 +177,8 @@ class DepthController:
                 prior = out[-1]
             else:
                 prior = _sigmoid(_logit(here) + _logit(out[-1]) - _logit(before))
-            out.append((kept + self.prior_weight * prior) / (seen + self.prior_weight))
+            w = self.prior_weights[i]
+            out.append((kept + w * prior) / (seen + w))
         return out
 
     def expected_tokens(self, depth: int, acceptance: list[float] | None = None) -> float:
@@ -240,7 +244,10 @@ class DepthController:
         own.seconds, own.samples, own.timed_at = self.seconds, self.samples, self.timed_at
         own.histogram = self.histogram
         own.runner = self
-        own.prior_weight = self.weight_of_prior()
+        # As much as the requests' spread allows, where their rounds reached the position often enough to know
+        # it: a deep position a few probes reached holds little of what the typical request keeps there.
+        weight = self.weight_of_prior()
+        own.prior_weights = [min(weight, max(PRIOR_WEIGHT, n / ROUNDS_A_PRIOR_ROUND)) for n in self.evidence]
         return own
 
     def weight_of_prior(self) -> float:
@@ -270,6 +277,7 @@ class DepthController:
                 runner.chance = (1 - w) * runner.chance + w * a * (1 - a) / self.reached[0]
             runner.requests += 1
         for i, (reached, kept) in enumerate(zip(self.reached, self.kept_in_all)):
+            runner.evidence[i] = (1 - REQUEST_SMOOTHING) * runner.evidence[i] + reached
             if reached:  # evidence of its own, not only its prior: the share of its rounds there that kept it
                 runner.folded[i] += 1  # the mean of the requests' shares so far, then a decayed one
                 w, a, was = max(1 / runner.folded[i], REQUEST_SMOOTHING), kept / reached, runner.profile[i]
