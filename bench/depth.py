@@ -1,7 +1,8 @@
 """The adaptive depth controller (runner/drafting/depth.py) against every fixed depth, in simulation.
 
 Real runs on a shared 2-core machine swing by more than the few percent this controller's choices are worth, so its
-rules are decided here first and checked by ``bench versus`` after. A simulated request emits 256 tokens; a round
+rules are tried here first and checked on real runs after - where one simulated well and did not carry over (a
+learned prior weight, 2026-12-07: docs/design.md, "Adaptive depth"), real runs decide. A simulated request emits 256 tokens; a round
 of depth k takes the default pair's measured time (7.8 ms plain, 9.8 + 2.5 k ms drafting; SmolLM2's for the n-gram
 rows), within +-10%; each draft is kept with its position's chance while the ones before it were. Eight requests per
 runner (the first two warm it up), 30 seeds; tok/s against the best fixed depth on the same seeds. A second table

@@ -15,7 +15,7 @@ import pytest
 from common.defaults import DEFAULT_DRAFT, SMOLLM2_DIR
 from common.settings import RunnerSettings
 from runner.decoders import PlainDecoder, SpeculativeDecoder
-from runner.drafting.depth import MAX_PRIOR_WEIGHT, PRIOR_WEIGHT, DepthController, FixedDepth
+from runner.drafting.depth import DepthController, FixedDepth
 from runner.drafting.drafters import NgramDrafter
 from runner.engine import Engine
 from runner.prefill import PrefillPlanner
@@ -144,9 +144,9 @@ def test_depth_controller_goes_deep_when_drafts_are_kept_and_plain_when_they_are
     for _ in range(200):
         k = never.choose()
         never.record(k, 0, 0.010 + 0.004 * k)  # every draft rejected
-    assert never.best() == 0 and never.histogram[1] > 0  # it still probes from plain decoding
-    assert never.interval > 4  # but less often after each probe that lost, as from any depth
-    assert never.histogram[0] > 0.85 * sum(never.histogram.values())
+    assert never.best() == 0 and never.interval == 4  # from plain decoding it keeps probing at the base rate
+    assert never.histogram[1] > 0
+    assert never.histogram[0] > 0.7 * sum(never.histogram.values())
 
 
 def steady(controller, rounds, seconds, acceptance, rng, spikes=0.0):
@@ -205,81 +205,23 @@ def test_a_one_pass_drafter_climbs_where_its_deeper_drafts_cost_no_more_passes()
 
 
 def test_a_run_of_rejected_drafts_does_not_hold_a_request_at_plain_decoding():
-    """Acceptance comes in runs: a hard stretch (ten rejected drafts in a row) drops a request that usually keeps
-    ~75% to plain decoding, where it sees no drafts. What they said fades toward the runner's typical request as
-    plain rounds go by, so it drafts again without waiting for a probe to be kept (none runs here)."""
+    """Acceptance comes in runs: a few rejected drafts in a row drop a request that usually keeps ~75% to plain
+    decoding, where it sees no drafts. What they said fades toward the runner's typical request as plain rounds go
+    by, so it drafts again without waiting for a probe to be kept (none runs here)."""
     seconds = {0: 0.0078, **{k: 0.0098 + 0.0025 * k for k in range(1, 7)}}  # the default pair's, measured
     runner = DepthController(max_depth=6, probe_every=1000, max_probe_every=1000)
     runner.profile = [0.75, 0.85, 0.85, 0.85, 0.85, 0.85]
     request = runner.for_request()
     for k, t in seconds.items():
         request.record(k, k if k else 0, t)
-    for _ in range(10):  # a hard stretch: every draft rejected
+    for _ in range(6):  # a hard stretch: every draft rejected
         request.record(1, 0, seconds[1])
     assert request.best() == 0
     plain = 0
-    while request.choose() == 0 and plain < 60:
+    while request.choose() == 0 and plain < 30:
         request.record(0, 0, seconds[0])
         plain += 1
-    assert plain < 30
-
-
-def test_a_runner_whose_requests_keep_alike_trusts_what_they_kept_more():
-    """Drafts of prose are kept with much the same chance request after request: there, a few rejected drafts at a
-    request's start are chance, and must not drop it to plain decoding for the rounds it takes to learn otherwise
-    (the default pair's prose requests sat at plain decoding for their first 20-30 rounds). Where requests differ
-    (some copy their input, some do not) the runner's typical request says less of the next one."""
-    seconds = {0: 0.0078, **{k: 0.0098 + 0.0025 * k for k in range(1, 7)}}  # the default pair's, measured
-    rng = random.Random(7)
-    alike, unlike = DepthController(max_depth=6), DepthController(max_depth=6)
-    assert alike.weight_of_prior() == PRIOR_WEIGHT  # no request ended yet
-    for i in range(8):
-        for runner, acceptance in ((alike, 0.75), (unlike, 0.95 if i % 2 else 0.3)):
-            request = runner.for_request()
-            steady(request, 80, seconds, acceptance, rng)
-            request.finish()
-    assert alike.weight_of_prior() == MAX_PRIOR_WEIGHT
-    assert unlike.weight_of_prior() < 2
-    for runner, stays in ((alike, True), (unlike, False)):
-        request = runner.for_request()
-        request.profile = [0.75, 0.85, 0.85, 0.85, 0.85, 0.85]  # the same typical request for both
-        for _ in range(3):  # three rejected drafts in a row (1.6% of starts at 0.75)
-            request.record(2, 0, seconds[2])
-        assert (request.best() > 0) == stays
-
-
-def test_a_deep_position_few_rounds_reached_weighs_little_as_a_prior():
-    """The runner's typical acceptance at a position its requests seldom reached comes from a probe or two (one
-    rejected draft made it 0.0 at position 5 on the pair): as a request's prior there it counts for one round,
-    not the weight its first position earned, so a request that copies is not held below its own rounds there."""
-    seconds = {0: 0.040, **{k: 0.050 + 0.002 * k for k in range(1, 7)}}
-    rng = random.Random(3)
-    runner = DepthController(max_depth=6)
-    for r in range(4):  # requests that keep alike, at k = 2
-        request = runner.for_request()
-        for _ in range(80):
-            request.record(2, 2 if rng.random() < 0.6 else int(rng.random() < 0.5), seconds[2])
-        if r == 0:
-            request.record(5, 4, seconds[5])  # one probe reached position 5, and its draft there was not kept
-        request.finish()
-    assert runner.profile[4] == 0.0 and runner.weight_of_prior() == MAX_PRIOR_WEIGHT
-    copying = runner.for_request()
-    assert copying.prior_weights[0] == MAX_PRIOR_WEIGHT and copying.prior_weights[4] == PRIOR_WEIGHT
-    steady(copying, 80, seconds, 0.97, random.Random(5))
-    assert copying.acceptance[4] > 0.8 and copying.best() == 6
-
-
-def test_the_runners_typical_request_is_what_its_first_requests_kept():
-    """A new runner's first requests set where the next one starts: their mean, not a quarter of the way from a
-    guess of 0.5 each (after five requests of the pair's prose, that still said 0.66 where they kept 0.75, and a
-    request starting there drafted at a loss in its first rounds)."""
-    runner = DepthController(max_depth=6)
-    for n, kept in enumerate((8, 7, 9), start=1):  # of 10 rounds at k = 1
-        request = runner.for_request()
-        for i in range(10):
-            request.record(1, int(i < kept), None)
-        request.finish()
-        assert runner.profile[0] == pytest.approx(sum((8, 7, 9)[:n]) / (10 * n))
+    assert plain < 15
 
 
 def test_of_depths_about_as_fast_it_takes_the_deepest():
@@ -306,8 +248,7 @@ def test_each_request_learns_its_own_acceptance_and_shares_the_round_times():
     copying = runner.for_request()
     assert copying.acceptance == runner.acceptance and copying.seconds is runner.seconds
     steady(copying, 60, seconds, 0.95, rng)
-    # 0.95 kept; the prose requests, which kept alike, are its prior, worth MAX_PRIOR_WEIGHT rounds
-    assert copying.best() >= 4 and copying.acceptance[0] > prose + 0.4
+    assert copying.best() >= 4 and copying.acceptance[0] > 0.85  # 0.95 kept, one round of prose prior
     assert runner.acceptance[0] == prose  # the runner's starting point moves when the request ends, not per round
     copying.finish()
     # A quarter of the way from what the earlier requests kept to what this one kept (the share of its rounds).

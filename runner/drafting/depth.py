@@ -4,21 +4,12 @@ The ``DepthController`` keeps
 - the acceptance at each draft position: a_i, the chance that draft i is kept
   when every draft before it was. This is a property of the request (one that
   copies from its input keeps nearly every n-gram draft, prose keeps few), so
-  each request learns its own (``for_request``), starting from the acceptance
-  the runner's requests kept so far (``finish`` folds each one in: the mean of
-  the first four, then a quarter of the way each; a decayed mean from a guess
-  of 0.5 had not reached the pair's 0.75 after five requests). Each position
-  keeps decayed counts of the rounds that reached it and kept its draft
-  (weight ``SMOOTHING`` for the newest), and is expected kept
-  (kept + w prior) / (reached + w): a position this request has seldom or never
-  reached leans on its prior (the runner's typical request, or the position
-  before it). The prior's weight w, in rounds, is learned per runner from how
-  much its requests differ (``weight_of_prior``): where they keep alike (prose
-  after prose, measured on the pair: a draft is kept 81% after a kept one and 67%
-  after a rejected one, not in long runs), a few rejected drafts in a row (as a
-  request's first rounds often are) weigh little against up to
-  ``MAX_PRIOR_WEIGHT`` rounds' worth of its prior; where some requests copy and
-  some do not, w stays near 1 and a request soon follows its own rounds. Acceptance comes in runs (text being
+  each request learns its own (``for_request``), starting from the first
+  position's acceptance the runner's requests saw so far (``finish`` folds each
+  one in). Each position keeps decayed counts of the rounds that reached it and
+  kept its draft (weight ``SMOOTHING`` for the newest), and is expected kept
+  (kept + a_(i-1)) / (reached + 1): a position this request has seldom or never
+  reached leans on the one before it. Acceptance comes in runs (text being
   copied goes on being copied), so after a few rounds at depth 2 that keep
   everything, depth 4 is expected to keep nearly everything too. Positions
   carried over from other requests, or averaged without their counts, held deep
@@ -50,9 +41,9 @@ the best, or it would be the best. So the interval backs off: it starts at
 ``probe_every`` rounds, doubles after each probe that leaves the best depth
 where it was, up to ``max_probe_every``, and falls back to ``probe_every`` as
 soon as the best depth changes (by a probe, or because its acceptance moved).
-From plain decoding (k = 0) it backs off too: a k = 1 round is no cheap
-probe (SmolLM2's n-gram rounds at k = 1 took 1.7x a plain round, the pair's
-1.5-1.7x), and a weak drafter probed every 10th round lost 4% (bench/depth.py).
+From plain decoding (k = 0) it does not back off: a probe at k = 1 costs
+little (one forward pass of two tokens, about the price of one), and the
+output may start copying at any moment.
 Dropping to a shallower depth needs no probe: the best depth's own rounds
 keep the acceptance of its positions current.
 
@@ -88,13 +79,10 @@ import math
 import statistics
 
 DEFAULT_MAX_DEPTH = 6
-SMOOTHING = 0.1  # weight of the newest round in a position's decayed counts
+SMOOTHING = 0.2  # weight of the newest round in a position's decayed counts
 REQUEST_SMOOTHING = 0.25  # weight of the last request in the first position's acceptance a request starts from
 PRIOR_ACCEPTANCE = 0.5  # the first position's, before any round
 PRIOR_WEIGHT = 1.0  # rounds' worth of evidence in a position's prior (the runner's, or the position before it)
-MAX_PRIOR_WEIGHT = 8.0  # the most it grows to where the runner's requests keep alike (weight_of_prior)
-ROUNDS_A_PRIOR_ROUND = 10  # of the runner's requests' rounds at a position, for a round's worth of its prior there
-SPREAD_REQUESTS = 3  # requests a runner has seen before their spread sets the prior's weight
 PROBE_EVERY = 10
 MAX_PROBE_EVERY = 80
 SPIKE = 1.5  # a round counts for at most this times its depth's time
@@ -151,15 +139,6 @@ class DepthController:
         self._previous: int | None = None  # the depth of the last round recorded
         self._again: int | None = None  # a probe's depth, for its second round (the one that is timed)
         self.histogram: collections.Counter[int] = collections.Counter()
-        # The runner's: how much the first position's share kept differs between its requests (decayed variance),
-        # how much of that the rounds' own chance explains, and how many requests ended (``finish``).
-        self.spread = 0.0
-        self.chance = 0.0
-        self.requests = 0
-        self.folded = [0] * max_depth  # per position, the requests whose share moved the profile
-        self.evidence = [0.0] * max_depth  # per position, the rounds that reached it, decayed per request
-        # A request's, per position: what its runner's typical request is worth there (``for_request``).
-        self.prior_weights = [PRIOR_WEIGHT] * max_depth
 
     @property
     def acceptance(self) -> list[float]:
@@ -177,8 +156,7 @@ class DepthController:
                 prior = out[-1]
             else:
                 prior = _sigmoid(_logit(here) + _logit(out[-1]) - _logit(before))
-            w = self.prior_weights[i]
-            out.append((kept + w * prior) / (seen + w))
+            out.append((kept + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT))
         return out
 
     def expected_tokens(self, depth: int, acceptance: list[float] | None = None) -> float:
@@ -244,24 +222,7 @@ class DepthController:
         own.seconds, own.samples, own.timed_at = self.seconds, self.samples, self.timed_at
         own.histogram = self.histogram
         own.runner = self
-        # As much as the requests' spread allows, where their rounds reached the position often enough to know
-        # it: a deep position a few probes reached holds little of what the typical request keeps there.
-        weight = self.weight_of_prior()
-        own.prior_weights = [min(weight, max(PRIOR_WEIGHT, n / ROUNDS_A_PRIOR_ROUND)) for n in self.evidence]
         return own
-
-    def weight_of_prior(self) -> float:
-        """Rounds' worth of evidence the runner's typical request is worth as a new request's prior: as much as
-        a beta prior whose spread is that of the requests' shares kept at the first position, less what the
-        chance of their rounds alone spreads them (p(1 - p) / (weight + 1) = the spread between requests), within
-        ``PRIOR_WEIGHT``..``MAX_PRIOR_WEIGHT``; ``PRIOR_WEIGHT`` before ``SPREAD_REQUESTS`` requests ended."""
-        if self.requests < SPREAD_REQUESTS:
-            return PRIOR_WEIGHT
-        p = self.profile[0]
-        between = self.spread - self.chance
-        if between <= 0:
-            return MAX_PRIOR_WEIGHT
-        return min(max(p * (1 - p) / between - 1, PRIOR_WEIGHT), MAX_PRIOR_WEIGHT)
 
     def finish(self) -> None:
         """A request's controller: its request ended; what it kept (at each position, the share of its rounds that
@@ -269,19 +230,10 @@ class DepthController:
         runner, self.runner = self.runner, None
         if runner is None:
             return
-        if self.reached[0]:
-            a = self.kept_in_all[0] / self.reached[0]
-            if runner.requests:  # the first request's share says nothing of the spread: the profile was a guess
-                w, off = max(1 / runner.requests, REQUEST_SMOOTHING), a - runner.profile[0]
-                runner.spread = (1 - w) * runner.spread + w * off * off
-                runner.chance = (1 - w) * runner.chance + w * a * (1 - a) / self.reached[0]
-            runner.requests += 1
         for i, (reached, kept) in enumerate(zip(self.reached, self.kept_in_all)):
-            runner.evidence[i] = (1 - REQUEST_SMOOTHING) * runner.evidence[i] + reached
             if reached:  # evidence of its own, not only its prior: the share of its rounds there that kept it
-                runner.folded[i] += 1  # the mean of the requests' shares so far, then a decayed one
-                w, a, was = max(1 / runner.folded[i], REQUEST_SMOOTHING), kept / reached, runner.profile[i]
-                runner.profile[i] = a if was is None else was + w * (a - was)
+                a, was = kept / reached, runner.profile[i]
+                runner.profile[i] = a if was is None else was + REQUEST_SMOOTHING * (a - was)
 
     @property
     def clock(self) -> int:
@@ -347,7 +299,7 @@ class DepthController:
         if self._again and accepted == 0:  # a probe from plain decoding whose draft was not kept: no second
             self._again = None  # round (nothing at that depth could beat plain decoding without its drafts)
         if self._probed_from is not None and self._again is None:  # after a probe's last round
-            if self.best() == self._probed_from:  # the probe lost: wait longer before the next one
+            if self.best() == self._probed_from > 0:  # the probe lost: wait longer before the next one
                 self.interval = min(2 * self.interval, self.max_probe_every)
             self._probed_from = None
 
