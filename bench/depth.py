@@ -2,11 +2,12 @@
 
 Real runs on a shared 2-core machine swing by more than the few percent this controller's choices are worth, so its
 rules are tried here first and checked on real runs after - where one simulated well and did not carry over (a
-learned prior weight, 2026-12-07: docs/design.md, "Adaptive depth"), real runs decide. A simulated request emits 256 tokens; a round
-of depth k takes the default pair's measured time (7.8 ms plain, 9.8 + 2.5 k ms drafting; SmolLM2's for the n-gram
-rows), within +-10%; each draft is kept with its position's chance while the ones before it were. Eight requests per
-runner (the first two warm it up), 30 seeds; tok/s against the best fixed depth on the same seeds. A second table
-has the measured profiles on a runner as cold as bench versus has it (five requests, the first not counted).
+learned prior weight, 2026-12-07: docs/design.md, "Adaptive depth"), real runs decide. A simulated request emits
+256 tokens; a round of depth k takes the default pair's measured time (7.8 ms plain, 9.8 + 2.5 k ms drafting;
+SmolLM2's for the n-gram rows), within +-10%; each draft is kept with its position's chance while the ones before it
+were. Eight requests per runner (the first two warm it up), 30 seeds; tok/s against the best fixed depth on the same
+seeds. A second table has the measured profiles on a runner as cold as bench versus has it (five requests, the
+first not counted).
 
 Acceptance profiles: the pair's prose and input-grounded prompts (per-position conditional acceptance as fixed-depth
 runs measured it), the same measured again on 2026-12-07 with their own round times (k = 6 runs of bench.speculation's
@@ -44,11 +45,11 @@ PAIR_GROUNDED = [0.76, 0.804, 0.872, 0.824, 0.768, 0.952]
 MEASURED = (PAIR_PROSE, PAIR_GROUNDED)
 # Their requests start hard: at k = 3, the first draft of a request's first 5 rounds was kept 15% of the time
 # (7 prose and 3 grounded prompts, 2026-12-07), of its next 10 about 75%, and of the rest 80%.
+HARD_START = 8  # tokens
+HARD_START_ACCEPTANCE = 0.15
 # A round from plain decoding to drafting or back restarts the pipeline: an isolated plain round on the pair took
 # 9-14 ms against 6-7 ms in a run of them (docs/design.md).
 SWITCH = 0.5  # of a plain round's time, added to such a round
-HARD_START = 8  # tokens
-HARD_START_ACCEPTANCE = 0.15
 COPYING = [0.92, 0.95, 0.95, 0.95, 0.9, 0.9]
 
 
