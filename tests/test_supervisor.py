@@ -240,6 +240,9 @@ def test_lru_eviction_and_keep_alive(tmp_path):
     sup = SupervisorProcess(tmp_path, models, max_loaded=1).wait_ready()
     try:
         assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_STOPPED
+        # "first" loads at start; only a serving runner with nothing in flight is evicted (a busy machine can
+        # still be loading it when the supervisor serves: the request was then refused, "none is idle")
+        assert wait_until(lambda: sup.client.model("first").state == supervisor_pb2.RUNNER_STATE_SERVING, 90)
         generate(sup, model="second", prompt="x", max_tokens=4)  # loads on first request, evicting "first"
         first = sup.client.model("first")
         assert first.state == supervisor_pb2.RUNNER_STATE_STOPPED and "evicted" in first.reason
