@@ -2,7 +2,8 @@
 
 A request ``acquire``s its model: a stopped model is started (after the
 memory admission check, and after evicting the least recently used idle
-runner if ``max_loaded`` are already alive), the request waits while it
+runner if ``max_loaded`` are already alive: with none idle, the request waits
+for one, as long as it would wait for a load), the request waits while it
 loads, and the runner counts it as in flight until the request ends.
 """
 
@@ -27,6 +28,7 @@ from .memory import AdmissionRefused, Estimates, admit, batch_memory_budget, fre
 from .runners import ManagedRunner, State
 
 log = logging.getLogger("supervisor")
+ROOM_POLL = 0.05  # seconds between looks for an idle runner to evict, while a load waits for one
 PULLED_KEEP_ALIVE = 300.0  # seconds idle before a model served by name (not configured) is unloaded
 
 
@@ -155,24 +157,32 @@ class Scheduler:
         if runner.model.target.suffix.lower() == ".gguf":  # a GGUF file named by a request: imported once, here
             folder = imported_folder(runner.model.target, self.config.gguf_cache_dir)
             runner.model = replace(runner.model, runner=replace(runner.model.runner, target=folder))
-        with self._lock:
-            if not runner.active:
-                self._make_room(runner)
-                available = free_memory()  # one reading for the admission and both budgets
-                try:
-                    needed = admit(runner.model, self.estimates, available)
-                except AdmissionRefused as error:
-                    raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
-                runner.prompt_cache_budget = prompt_cache_budget(runner.model, needed, available)
-                runner.batch_memory_budget = batch_memory_budget(
-                    runner.model, needed, runner.prompt_cache_budget, available
-                )
-                runner.start()
         if wait:
             # No deadline (gRPC says ~2**63 s): as long as a runner may take to start.
             if timeout is None or timeout > self.config.startup_timeout + self.config.restart_backoff_cap:
                 timeout = self.config.startup_timeout + self.config.restart_backoff_cap
-            state = runner.wait_serving(timeout)
+        deadline = time.monotonic() + timeout if wait else None
+        while True:
+            with self._lock:
+                if runner.active:
+                    break
+                # With max_loaded runners alive and none idle (each starting or answering), a request that
+                # may wait does, until one is idle or its time is up: the runner it evicts finishes first.
+                if self._make_room(runner, refuse=deadline is None or time.monotonic() >= deadline):
+                    available = free_memory()  # one reading for the admission and both budgets
+                    try:
+                        needed = admit(runner.model, self.estimates, available)
+                    except AdmissionRefused as error:
+                        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
+                    runner.prompt_cache_budget = prompt_cache_budget(runner.model, needed, available)
+                    runner.batch_memory_budget = batch_memory_budget(
+                        runner.model, needed, runner.prompt_cache_budget, available
+                    )
+                    runner.start()
+                    break
+            time.sleep(ROOM_POLL)
+        if wait:
+            state = runner.wait_serving(max(0.0, deadline - time.monotonic()))
             if state != State.SERVING:
                 self._raise_for(runner)
         return runner
@@ -182,18 +192,25 @@ class Scheduler:
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, f"model {runner.name} failed: {runner.reason}")
         raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"model {runner.name} is {runner.state.value}: {runner.reason}")
 
-    def _make_room(self, incoming: ManagedRunner) -> None:
+    def _make_room(self, incoming: ManagedRunner, refuse: bool) -> bool:
+        """Whether ``incoming`` may start: fewer than ``max_loaded`` runners are alive, or the least recently used
+        idle one (serving, nothing in flight) is evicted. With none idle, False, or (``refuse``) the error."""
         alive = [r for r in list(self.runners.values()) if r.active and r is not incoming]
         if len(alive) < self.config.loaded_cap:
-            return
+            return True
         idle = sorted((r for r in alive if r.in_flight == 0 and r.state == State.SERVING), key=lambda r: r.last_used)
         if not idle:
+            if not refuse:
+                return False
             raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(alive)} runners are loaded (max_loaded) and none is idle"
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(alive)} runners are loaded (max_loaded) and none is idle: "
+                + ", ".join(f"{r.name} {'answering' if r.state == State.SERVING else r.state.value}" for r in alive),
             )
         victim = idle[0]
         log.info("model %s: evicted (least recently used) to load %s", victim.name, incoming.name)
         victim.stop(f"evicted to load {incoming.name}")
+        return True
 
     def unload(self, name: str, reason: str = "unloaded on request") -> ManagedRunner:
         runner = self.runner(name)

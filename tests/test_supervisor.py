@@ -240,10 +240,23 @@ def test_lru_eviction_and_keep_alive(tmp_path):
     sup = SupervisorProcess(tmp_path, models, max_loaded=1).wait_ready()
     try:
         assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_STOPPED
-        # "first" loads at start; only a serving runner with nothing in flight is evicted (a busy machine can
-        # still be loading it when the supervisor serves: the request was then refused, "none is idle")
-        assert wait_until(lambda: sup.client.model("first").state == supervisor_pb2.RUNNER_STATE_SERVING, 90)
+        # "first" loads at start (it may still be loading) and answers a long request: only a serving runner
+        # with nothing in flight is evicted, so the request for "second" waits for that answer to end, then
+        # loads "second" in its place (it was refused at once, "none is idle", before)
+        answering, ended = threading.Event(), {}
+
+        def long_answer() -> None:
+            for chunk in sup.client.generate(timeout=120, model="first", prompt="x", max_tokens=200, ignore_eos=True):
+                answering.set()
+            ended["first"], ended["tokens"] = time.monotonic(), chunk.stats.generated_tokens
+
+        thread = threading.Thread(target=long_answer)
+        thread.start()
+        assert answering.wait(90)
         generate(sup, model="second", prompt="x", max_tokens=4)  # loads on first request, evicting "first"
+        answered = time.monotonic()
+        thread.join(60)
+        assert ended["tokens"] == 200 and ended["first"] <= answered  # the long answer was whole, and first
         first = sup.client.model("first")
         assert first.state == supervisor_pb2.RUNNER_STATE_STOPPED and "evicted" in first.reason
         assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_SERVING
