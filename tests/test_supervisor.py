@@ -256,7 +256,7 @@ def test_lru_eviction_and_keep_alive(tmp_path):
         generate(sup, model="second", prompt="x", max_tokens=4)  # loads on first request, evicting "first"
         answered = time.monotonic()
         thread.join(60)
-        assert ended["tokens"] == 200 and ended["first"] <= answered  # the long answer was whole, and first
+        assert ended["tokens"] == 200 and ended["first"] <= answered  # the long answer was whole, and ended first
         first = sup.client.model("first")
         assert first.state == supervisor_pb2.RUNNER_STATE_STOPPED and "evicted" in first.reason
         assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_SERVING
