@@ -59,6 +59,8 @@ def format_models(models, memory: bool = False) -> str:
         line = f"{m.name:<16} {STATE_NAMES[m.state]:<9} pid {m.pid:<7} restarts {m.restarts:<3} {m.reason}"
         if m.state == supervisor_pb2.RUNNER_STATE_STARTING:
             line += f" ({loading_line(m)})"
+        if m.making_room_for:
+            line += f" (making room for {m.making_room_for}: new requests wait)"
         if memory:
             s = m.memory
             line += (

@@ -23,7 +23,6 @@ import concurrent.futures
 import functools
 import logging
 import threading
-import time
 
 import grpc
 
@@ -96,10 +95,10 @@ class FrontDoor:
     async def acquire(self, scheduler, name: str, timeout: float | None) -> ManagedRunner:
         """The model's runner, serving: at once when it is, else loaded or waited for on the blocking pool."""
         runner = scheduler.runners.get(name)
-        if runner is not None and runner.state == State.SERVING:
+        if runner is not None and runner.state == State.SERVING and not scheduler.making_room_for(runner):
             # Nothing to wait for, and nothing here may wait: the loop serves every client. Should the runner
             # go away now, its call fails and the generation sends the request again once it is back.
-            runner.last_used = time.monotonic()
+            runner.claim()
             return runner
         return await self.blocking_call(scheduler.acquire_runner, name, timeout)
 

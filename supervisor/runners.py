@@ -39,6 +39,10 @@ from .config import ModelConfig, SupervisorConfig, socket_path
 log = logging.getLogger("supervisor")
 runner_log = logging.getLogger("supervisor.runner")  # the runners' records, read back from their stderr
 STDERR_TAIL_LINES = 40
+# Seconds a runner just handed to a request (or just serving, for the request that started it) is not idle, though
+# nothing is in flight yet: the request's call starts within them, and an eviction meanwhile would pull the runner
+# out from under it.
+CLAIM_GRACE = 5.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -101,6 +105,7 @@ class ManagedRunner:
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self.last_used = time.monotonic()
         self.in_flight = 0
+        self.claimed_at: float | None = None  # when a request was last handed it, until that request's call starts
         self._calls: set = set()
         self._wanted = False
         self._restart_reason: str | None = None
@@ -115,6 +120,8 @@ class ManagedRunner:
         with self._cond:
             changed = (state, reason) != (self.state, self.reason)
             self.state, self.reason = state, reason
+            if state == State.SERVING:
+                self.claimed_at = time.monotonic()  # held for the request that started it, waking now
             self._cond.notify_all()
         if changed:
             log.info("model %s: %s (%s)", self.name, state.value, reason)
@@ -129,6 +136,27 @@ class ManagedRunner:
     def active(self) -> bool:
         """Holds (or is about to hold) a process."""
         return self.state in (State.STARTING, State.SERVING, State.DRAINING, State.BACKOFF)
+
+    @property
+    def stopping(self) -> bool:
+        """Still holds a process, and has been told to stop (evicted, unloaded, idle past its keep-alive)."""
+        return self.active and not self._wanted
+
+    @property
+    def idle(self) -> bool:
+        """Serving with nothing in flight, and not just handed to a request (``claim``): may be evicted or expire."""
+        claimed = self.claimed_at
+        return (
+            self.state == State.SERVING
+            and self.in_flight == 0
+            and (claimed is None or time.monotonic() - claimed > CLAIM_GRACE)
+        )
+
+    def claim(self) -> None:
+        """A request was handed this runner and calls it next: not idle until that call starts (``track``), for at
+        most ``CLAIM_GRACE`` seconds."""
+        now = time.monotonic()
+        self.last_used = self.claimed_at = now
 
     def stderr_summary(self, lines: int = 5) -> str:
         """The runner's last words that matter: its warnings, errors and tracebacks, not its INFO log lines."""
@@ -195,6 +223,7 @@ class ManagedRunner:
         with self._cond:
             self._calls.add(call)
             self.in_flight = len(self._calls)
+            self.claimed_at = None
 
     def untrack(self, call) -> None:
         with self._cond:

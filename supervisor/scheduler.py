@@ -5,6 +5,13 @@ memory admission check, and after evicting the least recently used idle
 runner if ``max_loaded`` are already alive: with none idle, the request waits
 for one, as long as it would wait for a load), the request waits while it
 loads, and the runner counts it as in flight until the request ends.
+
+While a load waits for a place, the least recently used serving runner makes
+room for it: it takes no new requests (they wait, as for a load) and is
+evicted once its requests in flight end. Without that, a model kept busy by a
+steady stream of requests held its place until the waiting request's
+deadline. A request for a model that is being stopped (evicted, unloaded,
+past its keep-alive) waits for it to stop, then loads it again.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ class Scheduler:
         self.runners = {name: ManagedRunner(model, config, changed) for name, model in config.models.items()}
         self.pulls = hub.Pulls()
         self._lock = threading.Lock()
+        # A load waiting for a place (max_loaded) -> the serving runner that makes room for it (takes no new
+        # requests, and is evicted once those in flight end). Written under _lock; read by the front door too.
+        self._making_room: dict[ManagedRunner, ManagedRunner] = {}
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._expire_idle, name="keep-alive", daemon=True)
 
@@ -162,25 +172,39 @@ class Scheduler:
             if timeout is None or timeout > self.config.startup_timeout + self.config.restart_backoff_cap:
                 timeout = self.config.startup_timeout + self.config.restart_backoff_cap
         deadline = time.monotonic() + timeout if wait else None
-        while True:
+        try:
+            while True:
+                out_of_time = deadline is None or time.monotonic() >= deadline
+                with self._lock:
+                    if self._stop.is_set():
+                        raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"model {name}: supervisor shutting down")
+                    if runner.active:
+                        # A runner being stopped, or making room for another model, takes no new requests: one
+                        # that may wait does, then loads it again.
+                        waiting_for = self.making_room_for(runner)
+                        if deadline is None or not (runner.stopping or waiting_for):
+                            break
+                        if out_of_time:
+                            doing = f"making room for {waiting_for}" if waiting_for else "stopping"
+                            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"model {name} is {doing}")
+                    # With max_loaded runners alive and none idle (each starting or answering), a request that
+                    # may wait does, until one is idle or its time is up: the runner it evicts finishes first.
+                    elif self._make_room(runner, refuse=out_of_time):
+                        available = free_memory()  # one reading for the admission and both budgets
+                        try:
+                            needed = admit(runner.model, self.estimates, available)
+                        except AdmissionRefused as error:
+                            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
+                        runner.prompt_cache_budget = prompt_cache_budget(runner.model, needed, available)
+                        runner.batch_memory_budget = batch_memory_budget(
+                            runner.model, needed, runner.prompt_cache_budget, available
+                        )
+                        runner.start()
+                        break
+                time.sleep(ROOM_POLL)
+        finally:
             with self._lock:
-                if runner.active:
-                    break
-                # With max_loaded runners alive and none idle (each starting or answering), a request that
-                # may wait does, until one is idle or its time is up: the runner it evicts finishes first.
-                if self._make_room(runner, refuse=deadline is None or time.monotonic() >= deadline):
-                    available = free_memory()  # one reading for the admission and both budgets
-                    try:
-                        needed = admit(runner.model, self.estimates, available)
-                    except AdmissionRefused as error:
-                        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)) from None
-                    runner.prompt_cache_budget = prompt_cache_budget(runner.model, needed, available)
-                    runner.batch_memory_budget = batch_memory_budget(
-                        runner.model, needed, runner.prompt_cache_budget, available
-                    )
-                    runner.start()
-                    break
-            time.sleep(ROOM_POLL)
+                self._making_room.pop(runner, None)
         if wait:
             state = runner.wait_serving(max(0.0, deadline - time.monotonic()))
             if state != State.SERVING:
@@ -194,23 +218,46 @@ class Scheduler:
 
     def _make_room(self, incoming: ManagedRunner, refuse: bool) -> bool:
         """Whether ``incoming`` may start: fewer than ``max_loaded`` runners are alive, or the least recently used
-        idle one (serving, nothing in flight) is evicted. With none idle, False, or (``refuse``) the error."""
+        idle one is evicted. With none idle, False (the least recently used serving one makes room: it takes no
+        new requests), or (``refuse``) the error."""
         alive = [r for r in list(self.runners.values()) if r.active and r is not incoming]
         if len(alive) < self.config.loaded_cap:
+            self._making_room.pop(incoming, None)
             return True
-        idle = sorted((r for r in alive if r.in_flight == 0 and r.state == State.SERVING), key=lambda r: r.last_used)
+        idle = sorted((r for r in alive if r.idle), key=lambda r: r.last_used)
         if not idle:
-            if not refuse:
-                return False
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(alive)} runners are loaded (max_loaded) and none is idle: "
-                + ", ".join(f"{r.name} {'answering' if r.state == State.SERVING else r.state.value}" for r in alive),
-            )
+            serving = [r for r in alive if r.state == State.SERVING and not r.stopping]
+            if refuse:
+                self._making_room.pop(incoming, None)
+                raise ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{len(alive)} runners are loaded (max_loaded) and none is idle: "
+                    + ", ".join(f"{r.name} {'answering' if r in serving else r.state.value}" for r in alive),
+                )
+            if serving:
+                victim = min(serving, key=lambda r: r.last_used)
+                if self._making_room.get(incoming) is not victim:
+                    log.info(
+                        "model %s: makes room for %s (max_loaded): takes no new requests, and is evicted once "
+                        "its %d in flight end",
+                        victim.name,
+                        incoming.name,
+                        victim.in_flight,
+                    )
+                    self._making_room[incoming] = victim
+            return False
+        self._making_room.pop(incoming, None)
         victim = idle[0]
         log.info("model %s: evicted (least recently used) to load %s", victim.name, incoming.name)
         victim.stop(f"evicted to load {incoming.name}")
         return True
+
+    def making_room_for(self, runner: ManagedRunner) -> str:
+        """The model waiting to take ``runner``'s place (it takes no new requests meanwhile), or ''."""
+        for incoming, victim in list(self._making_room.items()):
+            if victim is runner:
+                return incoming.name
+        return ""
 
     def unload(self, name: str, reason: str = "unloaded on request") -> ManagedRunner:
         runner = self.runner(name)
@@ -226,7 +273,7 @@ class Scheduler:
         if runner.state == State.FAILED:
             self._raise_for(runner)
         runner = self.load(name, wait=True, timeout=timeout)
-        runner.last_used = time.monotonic()
+        runner.claim()
         return runner
 
     @contextlib.contextmanager
@@ -239,12 +286,7 @@ class Scheduler:
             for runner in list(self.runners.values()):
                 # A request may set its own (Ollama's keep_alive; math.inf: never); else the model's setting.
                 keep_alive = runner.model.keep_alive if runner.keep_alive is None else runner.keep_alive
-                if (
-                    keep_alive
-                    and runner.state == State.SERVING
-                    and runner.in_flight == 0
-                    and now - runner.last_used > keep_alive
-                ):
+                if keep_alive and runner.idle and now - runner.last_used > keep_alive:
                     runner.stop(f"idle for {keep_alive:.0f} s (keep_alive)")
 
     def stop_all(self) -> None:

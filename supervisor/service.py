@@ -335,6 +335,7 @@ class Supervisor:
             embed_seconds=embedded[2],
             loading_s=time.monotonic() - runner.starting_since if runner.starting_since is not None else 0.0,
             last_load_s=runner.last_load_s,
+            making_room_for=self.scheduler.making_room_for(runner),
         )
 
     # -- life cycle -------------------------------------------------------------

@@ -102,6 +102,12 @@ def frame(status, previous=None, elapsed: float = 0.0) -> str:
             rate = max(0, model.generated_tokens - before[model.name].generated_tokens) / elapsed
         cells = row(model, rate, embedding_rates(model, before.get(model.name), elapsed))
         lines.append(" ".join(cell.ljust(width) for cell, (_, width) in zip(cells, COLUMNS)).rstrip())
+    for model in status.models:  # max_loaded: a model waits for this one's place
+        if model.making_room_for:
+            lines.append(
+                f"{model.name} makes room for {model.making_room_for}: new requests wait, evicted once its"
+                f" {model.in_flight} in flight end"
+            )
     for pull in status.pulls:  # hub repositories being fetched
         share = f"{100 * pull.completed / pull.total:.0f}%" if pull.total else "starting"
         mib = f"{pull.completed / 2**20:.0f} of {pull.total / 2**20:.0f} MiB"

@@ -11,6 +11,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2
 
+from supervisor.client import format_models
 from supervisor.protocol import supervisor_pb2
 from tests.processes import SupervisorProcess, model_toml, resumed_on_a_new_runner, wait_until
 
@@ -250,16 +251,34 @@ def test_lru_eviction_and_keep_alive(tmp_path):
                 answering.set()
             ended["first"], ended["tokens"] = time.monotonic(), chunk.stats.generated_tokens
 
-        thread = threading.Thread(target=long_answer)
-        thread.start()
+        def second() -> None:
+            generate(sup, model="second", prompt="x", max_tokens=4)  # loads on first request, evicting "first"
+            ended["second"] = time.monotonic()
+
+        threads = [threading.Thread(target=long_answer), threading.Thread(target=second)]
+        threads[0].start()
         assert answering.wait(90)
-        generate(sup, model="second", prompt="x", max_tokens=4)  # loads on first request, evicting "first"
-        answered = time.monotonic()
-        thread.join(60)
-        assert ended["tokens"] == 200 and ended["first"] <= answered  # the long answer was whole, and ended first
+        pid = sup.client.model("first").pid
+        threads[1].start()
+        # While "second" waits, "first" makes room for it: a new request for "first" waits its turn - "second"
+        # answers, then "first" loads again in its place - where "first" served it at once, and a model kept
+        # busy held its place until the waiting request's deadline.
+        assert wait_until(lambda: sup.client.model("first").making_room_for == "second", 60)
+        assert "making room for second" in format_models(sup.client.list_models().models)
+        later_began = None
+        for chunk in sup.client.generate(timeout=120, model="first", prompt="y", max_tokens=4, ignore_eos=True):
+            later_began = later_began or time.monotonic()
+        assert chunk.stats.generated_tokens == 4
+        for thread in threads:
+            thread.join(60)
+        assert ended["tokens"] == 200 and ended["first"] <= ended["second"]  # the long answer was whole, ended first
+        assert ended["second"] <= later_began  # "second" answered before the later request for "first" began
         first = sup.client.model("first")
-        assert first.state == supervisor_pb2.RUNNER_STATE_STOPPED and "evicted" in first.reason
-        assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_SERVING
+        assert first.state == supervisor_pb2.RUNNER_STATE_SERVING and first.pid not in (0, pid)  # loaded again
+        assert not first.making_room_for
+        assert "evicted to load first" in sup.client.model("second").reason
+        generate(sup, model="second", prompt="x", max_tokens=4)  # "first" is idle: evicted at once
+        assert "evicted to load second" in sup.client.model("first").reason
         assert wait_until(lambda: sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_STOPPED, 15)
         assert "keep_alive" in sup.client.model("second").reason
         loaded = sup.client.load_model("first")

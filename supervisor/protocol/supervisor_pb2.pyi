@@ -219,7 +219,7 @@ class MemorySample(_message.Message):
     def __init__(self, rss: _Optional[int] = ..., anonymous: _Optional[int] = ..., pss: _Optional[int] = ..., uss: _Optional[int] = ..., peak_rss: _Optional[int] = ..., growth_bytes_per_s: _Optional[float] = ..., mlx_active: _Optional[int] = ..., mlx_cache: _Optional[int] = ..., mlx_peak: _Optional[int] = ..., mlx_releases: _Optional[int] = ..., soft_limit: _Optional[int] = ..., hard_limit: _Optional[int] = ..., history_samples: _Optional[int] = ..., estimate: _Optional[int] = ..., prompt_cache: _Optional[_Union[_runner_pb2.PromptCacheStats, _Mapping]] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., process_rss: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
-    __slots__ = ("name", "state", "reason", "pid", "restarts", "last_used_s_ago", "memory", "target", "draft", "in_flight", "generated_tokens", "acceptance_rate", "loading_s", "last_load_s", "embed_requests", "embedded_inputs", "embed_seconds")
+    __slots__ = ("name", "state", "reason", "pid", "restarts", "last_used_s_ago", "memory", "target", "draft", "in_flight", "generated_tokens", "acceptance_rate", "loading_s", "last_load_s", "embed_requests", "embedded_inputs", "embed_seconds", "making_room_for")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class ModelStatus(_message.Message):
     EMBED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     EMBED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAKING_ROOM_FOR_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: RunnerState
     reason: str
@@ -254,7 +255,8 @@ class ModelStatus(_message.Message):
     embed_requests: int
     embedded_inputs: int
     embed_seconds: float
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[RunnerState, str]] = ..., reason: _Optional[str] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., last_used_s_ago: _Optional[float] = ..., memory: _Optional[_Union[MemorySample, _Mapping]] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., in_flight: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., loading_s: _Optional[float] = ..., last_load_s: _Optional[float] = ..., embed_requests: _Optional[int] = ..., embedded_inputs: _Optional[int] = ..., embed_seconds: _Optional[float] = ...) -> None: ...
+    making_room_for: str
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[RunnerState, str]] = ..., reason: _Optional[str] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., last_used_s_ago: _Optional[float] = ..., memory: _Optional[_Union[MemorySample, _Mapping]] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., in_flight: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., loading_s: _Optional[float] = ..., last_load_s: _Optional[float] = ..., embed_requests: _Optional[int] = ..., embedded_inputs: _Optional[int] = ..., embed_seconds: _Optional[float] = ..., making_room_for: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
