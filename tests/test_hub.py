@@ -80,8 +80,11 @@ def cache(tmp_path_factory):
 def sup(standin, cache, tmp_path_factory):
     """pull = "any": requests may name any repository; the APIs may pull."""
     models = model_toml("pair", target=DEFAULT_TARGET, draft=None, load_at_start=False)
+    folder = tmp_path_factory.mktemp("hub-any")
+    # GGUF files it pulls are imported under the test's folder, not the user's ~/.cache/mlxserve/gguf (where each
+    # run left a ~100 MB import of a temporary path that no later run could reach).
     process = SupervisorProcess(
-        tmp_path_factory.mktemp("hub-any"), models, env=hub_env(standin, cache), pull="any", max_loaded=2
+        folder, models, env=hub_env(standin, cache), pull="any", max_loaded=2, gguf_cache_dir=str(folder / "gguf")
     ).wait_ready(60)
     yield process
     assert process.stop() == 0

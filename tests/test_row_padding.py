@@ -104,3 +104,22 @@ def test_left_to_itself_the_runner_measures_which_is_faster_and_says_so(monkeypa
     assert forced.padded_layers == 8 * 4 + 1 and forced.row_padding == f"{row_padding.ENV}=1"
     prompt = loaded.tokenizer.encode("The for statement is used to iterate over the elements of a sequence")
     assert greedy(loaded.model, prompt, 40) == greedy(forced.model, prompt, 40)
+
+
+def test_the_remembered_times_are_kept_for_the_latest_models_only(monkeypatch, tmp_path):
+    """Every folder a model is loaded from is a model to remember (the tests load from many temporary ones): the
+    file keeps the ``REMEMBERED`` most recently measured, so it does not grow without end."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(row_padding, "REMEMBERED", 3)
+    for i in range(5):
+        row_padding._remember(f"model-{i}", (0.002, 0.001 * i))
+    row_padding._remember("model-2", (0.002, 0.5))  # measured again: the newest
+    assert [row_padding._remembered(f"model-{i}") for i in range(5)] == [
+        None,
+        None,
+        (0.002, 0.5),
+        (0.002, 0.003),
+        (0.002, 0.004),
+    ]
+    row_padding._remember("model-5", (0.002, 0.005))
+    assert row_padding._remembered("model-3") is None and row_padding._remembered("model-2") == (0.002, 0.5)

@@ -23,7 +23,8 @@ Xeon they were not (plain decoding 0.79x mlx-lm's). So where it may apply (the C
 steps one row and two rows, alternated, each for a short time, and pads only where two rows are clearly
 faster; the reason, with both times, is in the runner's Info. The times are remembered per machine and model
 (``~/.cache/mlxserve/row_padding.json``, or under ``$XDG_CACHE_HOME``: keyed by the CPU, MLX's version, the
-model's folder and config and the dtype), so a restart does not measure again. ``MLXSERVE_ROW_PADDING=0`` or
+model's folder and config and the dtype; the ``REMEMBERED`` most recently measured), so a restart does not
+measure again. ``MLXSERVE_ROW_PADDING=0`` or
 ``=1`` overrides it all.
 """
 
@@ -47,6 +48,7 @@ ENV = "MLXSERVE_ROW_PADDING"
 MEASURE_SECONDS = 0.12  # each variant's share of one of the measuring rounds
 MEASURE_ROUNDS = 3  # rounds of both variants, the order alternated
 MARGIN = 0.97  # two rows must take less than this share of one row's time: they cost twice the arithmetic
+REMEMBERED = 256  # models whose times are kept per machine (each folder a model is loaded from is one)
 
 
 def applies() -> bool:
@@ -110,7 +112,9 @@ def _remember(key: str, times: tuple[float, float]) -> None:
     path = _memo()
     try:
         known = json.loads(path.read_text()) if path.exists() else {}
-        known[key] = list(times)
+        known.pop(key, None)
+        known[key] = list(times)  # the newest last: past REMEMBERED entries, the oldest are forgotten
+        known = dict(list(known.items())[-REMEMBERED:])
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
         scratch.write_text(json.dumps(known))
