@@ -12,11 +12,20 @@ into place only when the import has finished: an import cut short (killed, disk
 full) is never taken for a finished one, and the next start imports again. An
 importer refusal (an architecture, quantization type or vocabulary it does not
 handle) comes back as a ``GGUFCacheError`` carrying the importer's one line.
+
+Each import records the file it came from (``source.json``: its resolved path,
+size and modification time). An import whose file has since changed or gone no
+start can reach again (the key names what the file was), so each new import
+removes those, as Ollama prunes its unreferenced blobs: a GGUF file downloaded
+again, or one from a folder since deleted, left its whole import behind for
+good. Imports a caller still uses (``keep``) and imports made before records
+were kept are left alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -26,6 +35,9 @@ import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+SOURCE = "source.json"  # in each import: the GGUF file it was made from
 
 
 class GGUFCacheError(ValueError):
@@ -46,8 +58,9 @@ def folder_for(source: Path, cache_dir: Path) -> Path:
     return cache_dir / f"{source.stem}-{key}"
 
 
-def imported_folder(source: Path, cache_dir: Path) -> Path:
-    """The mlx-lm folder imported from the GGUF file ``source``, importing it first if it is not there yet."""
+def imported_folder(source: Path, cache_dir: Path, keep=()) -> Path:
+    """The mlx-lm folder imported from the GGUF file ``source``, importing it first if it is not there yet (and
+    then removing the imports no start can reach again, but those in ``keep``: folders in use)."""
     if not source.is_file():
         raise GGUFCacheError(f"no such file: {source}")
     folder = folder_for(source, cache_dir)
@@ -69,6 +82,9 @@ def imported_folder(source: Path, cache_dir: Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         lines = done.stderr.strip().splitlines() or [f"the importer exited with status {done.returncode}"]
         raise GGUFCacheError(lines[-1].removeprefix("runner.gguf: "))
+    stat = source.stat()
+    record = {"path": str(source.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    (partial / SOURCE).write_text(json.dumps(record))
     try:
         partial.rename(folder)
     except OSError:  # another supervisor finished the same import first
@@ -76,4 +92,32 @@ def imported_folder(source: Path, cache_dir: Path) -> Path:
         if not (folder / "config.json").is_file():
             raise
     log.info("imported %s in %.1f s", source.name, time.monotonic() - started)
+    for stale, why in unreachable_imports(cache_dir, keep={folder, *keep}):
+        log.info("removing %s: %s (no start can use it again)", stale, why)
+        shutil.rmtree(stale, ignore_errors=True)
     return folder
+
+
+def unreachable_imports(cache_dir: Path, keep=()) -> list[tuple[Path, str]]:
+    """(folder, why) for each finished import in ``cache_dir`` whose GGUF file is gone or has changed since (its
+    ``source.json``), but those in ``keep``. Imports without a record, and unfinished ones, are not listed."""
+    keep = {Path(k) for k in keep if k}
+    found = []
+    for child in sorted(cache_dir.iterdir()) if cache_dir.is_dir() else ():
+        if child in keep or ".partial-" in child.name or not (child / SOURCE).is_file():
+            continue
+        try:
+            record = json.loads((child / SOURCE).read_text())
+            path, size, mtime_ns = Path(record["path"]), int(record["size"]), int(record["mtime_ns"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            found.append((child, f"{path} is gone"))
+            continue
+        except OSError:
+            continue
+        if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
+            found.append((child, f"{path} has changed since it was imported"))
+    return found

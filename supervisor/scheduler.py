@@ -165,7 +165,8 @@ class Scheduler:
     def load(self, name: str, wait: bool = True, timeout: float | None = None) -> ManagedRunner:
         runner = self.runner(name)
         if runner.model.target.suffix.lower() == ".gguf":  # a GGUF file named by a request: imported once, here
-            folder = imported_folder(runner.model.target, self.config.gguf_cache_dir)
+            in_use = [path for r in list(self.runners.values()) if r.active for path in (r.model.target, r.model.draft)]
+            folder = imported_folder(runner.model.target, self.config.gguf_cache_dir, keep=in_use)
             runner.model = replace(runner.model, runner=replace(runner.model.runner, target=folder))
         if wait:
             # No deadline (gRPC says ~2**63 s): as long as a runner may take to start.

@@ -178,6 +178,35 @@ def test_a_gguf_target_is_imported_once_and_reused(tmp_path):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [folder.name]  # no partial folder left
 
 
+def test_an_import_no_start_can_reach_again_is_removed_at_the_next_import(tmp_path):
+    """A GGUF file downloaded again (changed in place) is imported again under a new key: the old import, and one
+    whose file is gone, would stay on disk for good (~100 MB each here, tens of GB for a large model); the next
+    import removes them. An import from before the records, and one still reachable, stay."""
+    import json
+    import os
+    import shutil
+
+    from supervisor.gguf_cache import SOURCE, imported_folder
+
+    cache, gguf = tmp_path / "cache", tmp_path / "smol.gguf"
+    shutil.copyfile(SMOLLM2_GGUF, gguf)
+    first = imported_folder(gguf, cache)
+    assert json.loads((first / SOURCE).read_text())["path"] == str(gguf.resolve())
+    gone = cache / "gone-0123456789ab"  # an import whose file was deleted since
+    shutil.copytree(first, gone)
+    (gone / SOURCE).write_text(json.dumps({"path": str(tmp_path / "deleted.gguf"), "size": 1, "mtime_ns": 1}))
+    unrecorded = cache / "older-0123456789ab"  # made before imports were recorded: left alone
+    unrecorded.mkdir()
+    (unrecorded / "config.json").write_text("{}")
+    assert imported_folder(gguf, cache) == first and gone.is_dir()  # a reused import removes nothing
+
+    stat = gguf.stat()
+    os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # downloaded again
+    second = imported_folder(gguf, cache)
+    assert second != first and (second / "config.json").is_file()
+    assert sorted(p.name for p in cache.iterdir()) == sorted([second.name, unrecorded.name])
+
+
 def test_a_gguf_the_importer_refuses_is_a_config_error_naming_the_key(tmp_path):
     truncated = tmp_path / "cut.gguf"
     with open(SMOLLM2_GGUF, "rb") as f:
