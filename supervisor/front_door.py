@@ -92,15 +92,16 @@ class FrontDoor:
 
     # -- runners ----------------------------------------------------------------------------------------------
 
-    async def acquire(self, scheduler, name: str, timeout: float | None) -> ManagedRunner:
-        """The model's runner, serving: at once when it is, else loaded or waited for on the blocking pool."""
+    async def acquire(self, scheduler, name: str, timeout: float | None, cancelled=None) -> ManagedRunner:
+        """The model's runner, serving: at once when it is, else loaded or waited for on the blocking pool (until
+        ``cancelled``, a threading.Event, is set: the client went away)."""
         runner = scheduler.runners.get(name)
         if runner is not None and runner.state == State.SERVING and not scheduler.making_room_for(runner):
             # Nothing to wait for, and nothing here may wait: the loop serves every client. Should the runner
             # go away now, its call fails and the generation sends the request again once it is back.
             runner.claim()
             return runner
-        return await self.blocking_call(scheduler.acquire_runner, name, timeout)
+        return await self.blocking_call(scheduler.acquire_runner, name, timeout, cancelled)
 
     def stub(self, runner: ManagedRunner) -> runner_pb2_grpc.RunnerStub:
         """The runner's stub on this loop: one channel per runner process (a restarted runner gets a new one, so

@@ -157,7 +157,7 @@ class Generation:
                 if self._cancelled.is_set():
                     raise ServiceError(Code.CANCELLED, "client went away")
                 timeout = self.remaining()
-                runner = await front.acquire(self.sup.scheduler, self.model, timeout)
+                runner = await front.acquire(self.sup.scheduler, self.model, timeout, self._cancelled)
                 started = time.perf_counter()
                 call = front.runner_call(runner, self._forwarded(), self.remaining())
                 runner.track(call)

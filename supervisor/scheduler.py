@@ -162,7 +162,9 @@ class Scheduler:
                 else ServiceError(grpc.StatusCode.UNAVAILABLE, f"pull {name}: {job.error}", "model")
             )
 
-    def load(self, name: str, wait: bool = True, timeout: float | None = None) -> ManagedRunner:
+    def load(self, name: str, wait: bool = True, timeout: float | None = None, cancelled=None) -> ManagedRunner:
+        """The model's runner, started if it is not alive (``wait``: and waited for until it serves, at most
+        ``timeout`` seconds, or until ``cancelled`` - a threading.Event: its client went away - is set)."""
         runner = self.runner(name)
         if runner.model.target.suffix.lower() == ".gguf":  # a GGUF file named by a request: imported once, here
             in_use = [path for r in list(self.runners.values()) if r.active for path in (r.model.target, r.model.draft)]
@@ -179,6 +181,8 @@ class Scheduler:
                 with self._lock:
                     if self._stop.is_set():
                         raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"model {name}: supervisor shutting down")
+                    if cancelled is not None and cancelled.is_set():  # nobody waits for it any more
+                        raise ServiceError(grpc.StatusCode.CANCELLED, "client went away")
                     if runner.active:
                         # A runner being stopped, or making room for another model, takes no new requests: one
                         # that may wait does, then loads it again.
@@ -266,14 +270,14 @@ class Scheduler:
         runner.join(self.config.drain_grace + self.config.kill_timeout + 5)
         return runner
 
-    def acquire_runner(self, name: str, timeout: float | None) -> ManagedRunner:
+    def acquire_runner(self, name: str, timeout: float | None, cancelled=None) -> ManagedRunner:
         """The model's runner once it serves: started if stopped, waited for while it starts or restarts (the
         front door calls it on a thread of its blocking pool)."""
         self.pull_for_request(name)
         runner = self.runner(name)
         if runner.state == State.FAILED:
             self._raise_for(runner)
-        runner = self.load(name, wait=True, timeout=timeout)
+        runner = self.load(name, wait=True, timeout=timeout, cancelled=cancelled)
         runner.claim()
         return runner
 

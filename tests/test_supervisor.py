@@ -241,6 +241,19 @@ def test_lru_eviction_and_keep_alive(tmp_path):
     sup = SupervisorProcess(tmp_path, models, max_loaded=1).wait_ready()
     try:
         assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_STOPPED
+        # A request for "second" that its client gives up while it waits for "first"'s place stops the wait at
+        # once: "first" takes new requests again (it did only at the request's deadline, 120 s here).
+        busy = sup.client.generate(timeout=120, model="first", prompt="x", max_tokens=4000, ignore_eos=True)
+        next(busy)
+        given_up = sup.client.generate(timeout=120, model="second", prompt="x", max_tokens=4)
+        assert wait_until(lambda: sup.client.model("first").making_room_for == "second", 60)
+        given_up.cancel()
+        assert wait_until(lambda: not sup.client.model("first").making_room_for, 10)
+        assert generate(sup, model="first", prompt="x", max_tokens=3, ignore_eos=True)[1].stats.generated_tokens == 3
+        assert wait_until(lambda: sup.client.model("first").in_flight == 1, 10)  # the long answer is still going
+        busy.cancel()
+        assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_STOPPED
+        assert wait_until(lambda: sup.client.model("first").in_flight == 0, 10)
         # "first" loads at start (it may still be loading) and answers a long request: only a serving runner
         # with nothing in flight is evicted, so the request for "second" waits for that answer to end, then
         # loads "second" in its place (it was refused at once, "none is idle", before)
