@@ -23,6 +23,7 @@ SECTIONS = (
     "runner",
     "supervisor",
     "front_door",
+    "scheduler",
     "real_model",
     "gguf_import",
     "prompt_cache",
