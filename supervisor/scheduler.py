@@ -208,7 +208,7 @@ class Scheduler:
                         break
                 time.sleep(ROOM_POLL)
         finally:
-            with self._lock:
+            with self._lock:  # whatever ended the wait (a start, a refusal, the client gone): no longer waiting
                 self._making_room.pop(runner, None)
         if wait:
             state = runner.wait_serving(max(0.0, deadline - time.monotonic()))
@@ -227,13 +227,11 @@ class Scheduler:
         new requests), or (``refuse``) the error."""
         alive = [r for r in list(self.runners.values()) if r.active and r is not incoming]
         if len(alive) < self.config.loaded_cap:
-            self._making_room.pop(incoming, None)
             return True
         idle = sorted((r for r in alive if r.idle), key=lambda r: r.last_used)
         if not idle:
             serving = [r for r in alive if r.state == State.SERVING and not r.stopping]
             if refuse:
-                self._making_room.pop(incoming, None)
                 raise ServiceError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{len(alive)} runners are loaded (max_loaded) and none is idle: "
@@ -251,7 +249,6 @@ class Scheduler:
                     )
                     self._making_room[incoming] = victim
             return False
-        self._making_room.pop(incoming, None)
         victim = idle[0]
         log.info("model %s: evicted (least recently used) to load %s", victim.name, incoming.name)
         victim.stop(f"evicted to load {incoming.name}")
