@@ -10,7 +10,6 @@ many of "a"'s requests were answered and failed, and the longest any of them too
 from __future__ import annotations
 
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -18,9 +17,10 @@ from pathlib import Path
 
 import grpc
 
-from common.cpu_blas import fast_blas_environment
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from supervisor.client import SupervisorClient
+
+from .supervisor import serve
 
 CLIENTS = 2
 TOKENS = 64
@@ -34,15 +34,10 @@ def start(folder: Path, port: int) -> subprocess.Popen:
         f'[models.{m}]\ntarget = "{DEFAULT_TARGET}"\ndraft = "{DEFAULT_DRAFT}"\nload_at_start = {str(m == "a").lower()}\n'
         for m in "ab"
     )
-    config = folder / "scheduler.toml"
-    config.write_text(
+    return serve(
+        folder / "scheduler.toml",
         f'listen = "127.0.0.1:{port}"\nhttp_listen = ""\nprobe_port = 0\nmax_loaded = 1\n'
-        f'runtime_dir = "{folder}/run"\n{models}'
-    )
-    return subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "serve", "--config", str(config)],
-        stderr=subprocess.DEVNULL,
-        env=fast_blas_environment(),
+        f'runtime_dir = "{folder}/run"\n{models}',
     )
 
 

@@ -60,20 +60,25 @@ def through_http(base_url: str, model: str) -> tuple[float, float]:
     return tokens / seconds, ttft / len(PROMPTS)
 
 
-def start_supervisor(folder: Path, n_models: int, port: int, http_port: int = 0) -> subprocess.Popen:
-    models = "".join(
-        f'[models.m{i}]\ntarget = "{DEFAULT_TARGET}"\ndraft = "{DEFAULT_DRAFT}"\n' for i in range(n_models)
-    )
-    config = folder / f"bench-{n_models}.toml"
-    http = f"127.0.0.1:{http_port}" if http_port else ""
-    config.write_text(
-        f'listen = "127.0.0.1:{port}"\nhttp_listen = "{http}"\nprobe_port = 0\n'
-        f'runtime_dir = "{folder}/run{n_models}"\n{models}'
-    )
+def serve(config: Path, text: str) -> subprocess.Popen:
+    """``python -m supervisor serve`` on the config ``text``, written to ``config`` (its stderr dropped)."""
+    config.write_text(text)
     return subprocess.Popen(
         [sys.executable, "-m", "supervisor", "serve", "--config", str(config)],
         stderr=subprocess.DEVNULL,
         env=fast_blas_environment(),
+    )
+
+
+def start_supervisor(folder: Path, n_models: int, port: int, http_port: int = 0) -> subprocess.Popen:
+    models = "".join(
+        f'[models.m{i}]\ntarget = "{DEFAULT_TARGET}"\ndraft = "{DEFAULT_DRAFT}"\n' for i in range(n_models)
+    )
+    http = f"127.0.0.1:{http_port}" if http_port else ""
+    return serve(
+        folder / f"bench-{n_models}.toml",
+        f'listen = "127.0.0.1:{port}"\nhttp_listen = "{http}"\nprobe_port = 0\n'
+        f'runtime_dir = "{folder}/run{n_models}"\n{models}',
     )
 
 
