@@ -94,14 +94,22 @@ class FrontDoor:
 
     async def acquire(self, scheduler, name: str, timeout: float | None, cancelled=None) -> ManagedRunner:
         """The model's runner, serving: at once when it is, else loaded or waited for on the blocking pool (until
-        ``cancelled``, a threading.Event, is set: the client went away)."""
+        ``cancelled``, a threading.Event, is set, or the awaiting task is cancelled: the client went away)."""
         runner = scheduler.runners.get(name)
         if runner is not None and runner.state == State.SERVING and not scheduler.making_room_for(runner):
             # Nothing to wait for, and nothing here may wait: the loop serves every client. Should the runner
             # go away now, its call fails and the generation sends the request again once it is back.
             runner.claim()
             return runner
-        return await self.blocking_call(scheduler.acquire_runner, name, timeout, cancelled)
+        gone = cancelled if cancelled is not None else threading.Event()
+        try:
+            return await self.blocking_call(scheduler.acquire_runner, name, timeout, gone)
+        except asyncio.CancelledError:
+            # The blocking thread would wait on to the deadline, and a runner making room for this request would
+            # take no new ones meanwhile (an embedding or rerank call has no event of its own: its task is
+            # cancelled when its client goes away).
+            gone.set()
+            raise
 
     def stub(self, runner: ManagedRunner) -> runner_pb2_grpc.RunnerStub:
         """The runner's stub on this loop: one channel per runner process (a restarted runner gets a new one, so

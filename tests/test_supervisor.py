@@ -11,6 +11,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2
 
+from common.defaults import MINILM_DIR
 from supervisor.client import format_models
 from supervisor.protocol import supervisor_pb2
 from tests.processes import SupervisorProcess, model_toml, resumed_on_a_new_runner, wait_until
@@ -238,6 +239,7 @@ def test_supervisor_killed_takes_its_runners_and_restarts_cleanly(tmp_path):
 
 def test_lru_eviction_and_keep_alive(tmp_path):
     models = model_toml("first") + model_toml("second", load_at_start=False, keep_alive="2s")
+    models += model_toml("minilm", target=MINILM_DIR, draft=None, load_at_start=False)
     sup = SupervisorProcess(tmp_path, models, max_loaded=1).wait_ready()
     try:
         assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_STOPPED
@@ -251,6 +253,16 @@ def test_lru_eviction_and_keep_alive(tmp_path):
         assert wait_until(lambda: not sup.client.model("first").making_room_for, 10)
         assert generate(sup, model="first", prompt="x", max_tokens=3, ignore_eos=True)[1].stats.generated_tokens == 3
         assert wait_until(lambda: sup.client.model("first").in_flight == 1, 10)  # the long answer is still going
+        # So does an embedding request's, whose gRPC call is cancelled (it has no generation's event: it waited on
+        # to its deadline, and "first" took no new request meanwhile).
+        embedding = sup.client.stub.Embed.future(
+            supervisor_pb2.EmbedRequest(model="minilm", texts=["x"]), timeout=120, metadata=sup.client.metadata
+        )
+        assert wait_until(lambda: sup.client.model("first").making_room_for == "minilm", 60)
+        embedding.cancel()
+        assert wait_until(lambda: not sup.client.model("first").making_room_for, 10)
+        assert generate(sup, model="first", prompt="x", max_tokens=3, ignore_eos=True)[1].stats.generated_tokens == 3
+        assert sup.client.model("minilm").state == supervisor_pb2.RUNNER_STATE_STOPPED
         busy.cancel()
         assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_STOPPED
         assert wait_until(lambda: sup.client.model("first").in_flight == 0, 10)
