@@ -18,6 +18,7 @@ Ollama's unless ``truncate`` is false (as Ollama does); /v1/rerank cuts the docu
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import math
@@ -114,6 +115,22 @@ def model_name(body: dict) -> str:
     return text(value, "model") if value is not None else ""
 
 
+async def while_connected(request: Request, work):
+    """``await work`` (an embedding or rerank answer); a client that disconnects meanwhile cancels it, and with it
+    its wait for a place (``max_loaded``), where the runner making room for it would take no new requests."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                raise ServiceError(Code.CANCELLED, "the client closed the request")
+        return task.result()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+
+
 def build_embed(model: str, texts, ids, truncate: bool, dimensions: int | None, request_id: str = ""):
     message = supervisor_pb2.EmbedRequest(
         model=model, texts=texts, truncate=truncate, dimensions=dimensions or 0, request_id=request_id
@@ -142,7 +159,7 @@ def register(app: FastAPI, supervisor, authorized) -> None:
             text(body["user"], "user")
         dimensions = whole_number(body, "dimensions")
         message = build_embed(model, texts, ids, False, dimensions, REQUEST_ID.get())
-        answer = await embeddings.embed(supervisor, message)
+        answer = await while_connected(request, embeddings.embed(supervisor, message))
         data = []
         for i, e in enumerate(answer.embeddings):
             vector = np.asarray(e.values, dtype="<f4")
@@ -183,9 +200,8 @@ def register(app: FastAPI, supervisor, authorized) -> None:
                 await keep_alive(model, seconds)
             return {"model": model, "embeddings": []}
         texts, _ = inputs(value, "input", allow_ids=False)
-        answer = await embeddings.embed(
-            supervisor, build_embed(model, texts, [], truncate, dimensions, REQUEST_ID.get())
-        )
+        message = build_embed(model, texts, [], truncate, dimensions, REQUEST_ID.get())
+        answer = await while_connected(request, embeddings.embed(supervisor, message))
         await keep_alive(model, seconds)
         total = int((time.perf_counter() - started) * 1e9)
         return {
@@ -206,9 +222,8 @@ def register(app: FastAPI, supervisor, authorized) -> None:
         if prompt in (None, ""):  # as Ollama: an empty embedding
             await run_in_threadpool(lambda: supervisor.scheduler.load(model, wait=True, timeout=None))
             return {"embedding": []}
-        answer = await embeddings.embed(
-            supervisor, build_embed(model, [text(prompt, "prompt")], [], True, None, REQUEST_ID.get())
-        )
+        message = build_embed(model, [text(prompt, "prompt")], [], True, None, REQUEST_ID.get())
+        answer = await while_connected(request, embeddings.embed(supervisor, message))
         await keep_alive(model, seconds)
         return {"embedding": list(answer.embeddings[0].values)}
 
@@ -239,7 +254,7 @@ def register(app: FastAPI, supervisor, authorized) -> None:
         message = supervisor_pb2.RerankRequest(
             model=model, query=query, documents=texts, truncate=truncate, request_id=REQUEST_ID.get()
         )
-        answer = await embeddings.rerank(supervisor, message)
+        answer = await while_connected(request, embeddings.rerank(supervisor, message))
         order = sorted(range(len(texts)), key=lambda i: -answer.scores[i])
         if top_n:
             order = order[:top_n]

@@ -237,6 +237,17 @@ def test_supervisor_killed_takes_its_runners_and_restarts_cleanly(tmp_path):
         assert again.stop() == 0
 
 
+EOS_OFF = {"ignore_eos": True}
+
+
+def give_up(sup, outcome: dict, **body) -> None:
+    """An embedding request through OpenAI's SDK that gives up after 5 s: ``outcome["raised"]``, what it raised."""
+    try:
+        sup.openai().with_options(timeout=5).embeddings.create(**body)
+    except Exception as raised:
+        outcome["raised"] = type(raised).__name__
+
+
 def test_lru_eviction_and_keep_alive(tmp_path):
     models = model_toml("first") + model_toml("second", load_at_start=False, keep_alive="2s")
     models += model_toml("minilm", target=MINILM_DIR, draft=None, load_at_start=False)
@@ -263,6 +274,15 @@ def test_lru_eviction_and_keep_alive(tmp_path):
         assert wait_until(lambda: not sup.client.model("first").making_room_for, 10)
         assert generate(sup, model="first", prompt="x", max_tokens=3, ignore_eos=True)[1].stats.generated_tokens == 3
         assert sup.client.model("minilm").state == supervisor_pb2.RUNNER_STATE_STOPPED
+        # And over HTTP: an OpenAI SDK client that gives up (its timeout closes the connection).
+        outcome = {}
+        gave_up = threading.Thread(target=give_up, args=(sup, outcome), kwargs={"model": "minilm", "input": "x"})
+        gave_up.start()
+        assert wait_until(lambda: sup.client.model("first").making_room_for == "minilm", 60)
+        gave_up.join(30)
+        assert outcome.get("raised") == "APITimeoutError"
+        assert wait_until(lambda: not sup.client.model("first").making_room_for, 10)
+        assert sup.client.model("minilm").state == supervisor_pb2.RUNNER_STATE_STOPPED
         busy.cancel()
         assert sup.client.model("second").state == supervisor_pb2.RUNNER_STATE_STOPPED
         assert wait_until(lambda: sup.client.model("first").in_flight == 0, 10)
@@ -277,8 +297,10 @@ def test_lru_eviction_and_keep_alive(tmp_path):
             ended["first"], ended["tokens"] = time.monotonic(), chunk.stats.generated_tokens
 
         def second() -> None:
-            generate(sup, model="second", prompt="x", max_tokens=4)  # loads on first request, evicting "first"
-            ended["second"] = time.monotonic()
+            # Loads on first request, evicting "first"; through OpenAI's SDK, which waits for the place as a gRPC
+            # client does.
+            answer = sup.openai().completions.create(model="second", prompt="x", max_tokens=4, extra_body=EOS_OFF)
+            ended["second"], ended["second_tokens"] = time.monotonic(), answer.usage.completion_tokens
 
         threads = [threading.Thread(target=long_answer), threading.Thread(target=second)]
         threads[0].start()
@@ -298,6 +320,7 @@ def test_lru_eviction_and_keep_alive(tmp_path):
             thread.join(60)
         assert ended["tokens"] == 200 and ended["first"] <= ended["second"]  # the long answer was whole, ended first
         assert ended["second"] <= later_began  # "second" answered before the later request for "first" began
+        assert ended["second_tokens"] == 4
         first = sup.client.model("first")
         assert first.state == supervisor_pb2.RUNNER_STATE_SERVING and first.pid not in (0, pid)  # loaded again
         assert not first.making_room_for
