@@ -18,7 +18,6 @@ Ollama's unless ``truncate`` is false (as Ollama does); /v1/rerank cuts the docu
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import math
@@ -33,6 +32,7 @@ from common.requests import is_unicode
 from common.status import Code, ServiceError
 
 from . import embeddings
+from .http_common import while_connected
 from .protocol import supervisor_pb2
 
 TOKEN_ID_LIMIT = 2**31  # what a token id field holds; the runner checks the model's vocabulary
@@ -113,22 +113,6 @@ def boolean(body: dict, key: str, default: bool) -> bool:
 def model_name(body: dict) -> str:
     value = body.get("model", "")
     return text(value, "model") if value is not None else ""
-
-
-async def while_connected(request: Request, work):
-    """``await work`` (an embedding or rerank answer); a client that disconnects meanwhile cancels it, and with it
-    its wait for a place (``max_loaded``), where the runner making room for it would take no new requests."""
-    task = asyncio.ensure_future(work)
-    try:
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                raise ServiceError(Code.CANCELLED, "the client closed the request")
-        return task.result()
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
 
 
 def build_embed(model: str, texts, ids, truncate: bool, dimensions: int | None, request_id: str = ""):

@@ -29,7 +29,6 @@ come under the extra key ``x_mlxserve``, which leaves OpenAI's schema valid.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import secrets
@@ -64,6 +63,7 @@ from .http_common import (
     refuse_not_honoured,
     speculation,
     tool_calls,
+    while_connected,
 )
 from .http_errors import openai_error
 from .protocol import supervisor_pb2
@@ -764,17 +764,7 @@ def create_app(supervisor) -> FastAPI:
     async def until_done(request: Request, generation, work):
         """``await work()`` (a generation's chunks, or its first); a client that disconnects meanwhile cancels
         the generation."""
-        task = asyncio.ensure_future(work())
-        try:
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if not done and await request.is_disconnected():
-                    generation.cancel()
-            return task.result()
-        except asyncio.CancelledError:
-            generation.cancel()
-            task.cancel()
-            raise
+        return await while_connected(request, work(), generation.cancel)
 
     async def whole(request: Request, generation, out: Answer):
         return out.whole(await until_done(request, generation, generation.collect))

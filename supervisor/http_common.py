@@ -4,6 +4,7 @@ the server-sent event stream that cancels its generation however it ends."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
@@ -50,6 +51,28 @@ class RequestIds:
             await self.app(scope, receive, send_with_id)
         finally:
             REQUEST_ID.reset(token)
+
+
+async def while_connected(request, work, on_disconnect=None):
+    """``await work`` (an awaitable), watching the client meanwhile. One that disconnects calls ``on_disconnect``
+    (a generation's cancel: it ends within a round, and ``work`` returns what it made) or, without one, cancels
+    ``work`` and refuses with CANCELLED (an embedding or rerank: with it goes its wait for a place, where the runner
+    making room for it takes no new requests)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                if on_disconnect is None:
+                    task.cancel()
+                    raise ServiceError(Code.CANCELLED, "the client closed the request")
+                on_disconnect()
+        return task.result()
+    except asyncio.CancelledError:
+        if on_disconnect is not None:
+            on_disconnect()
+        task.cancel()
+        raise
 
 
 async def log_refusal(request, status: int, message: str) -> None:
