@@ -13,7 +13,12 @@ implementations of ``step``, after Ollama's x/mlxrunner:
   depth controller, or pinned), the target verifies them in one forward pass,
   the accepted prefix plus one target token is emitted, and the caches are
   rewound past the rejected part (``runner.rewind``: trimmed, or restored and
-  fed again for recurrent layers).
+  fed again for recurrent layers). A drafted round is not pipelined as a plain
+  one is (the next pass's place in the cache depends on the verdict), but its
+  drafter queues the next round's first draft, for every outcome at once, on
+  the verification before the host reads it (``Drafter.queue_next``): the
+  device runs it while the host reads the verdict, takes the round's tokens
+  and builds the next verification.
 
 Both prefill the prompt (from wherever a prompt-cache hit left the caches) in
 chunks a ``PrefillPlanner`` sizes, and report the state they end in for the
@@ -577,6 +582,11 @@ class SpeculativeDecoder(Decoder):
             p = filtered_probs(processed, self.params)
             q = proposal.probs if proposal.probs is not None else point_mass(proposal.tokens, p.shape[-1])
             verdict = verify_sampled(p, q, proposal.tokens, verify_key)
+        # The device starts the verification while the host has the drafter queue the next round's first draft
+        # on it, for every outcome (``Drafter.queue_next``): that draft then runs while the host reads this round.
+        mx.async_eval(verdict.accepted, verdict.next_token)
+        next_key = None if self.params.greedy else self._keys(1)[0]
+        self.drafter.queue_next(self.tokens, proposal.tokens, verdict, self.params, next_key)
         mx.eval(verdict.accepted, verdict.next_token)
         accepted = verdict.accepted.item()
         drafts = proposal.tokens.tolist()
@@ -598,6 +608,10 @@ class SpeculativeDecoder(Decoder):
             elif held - drafter.held == 1 and self.rewinder.trimmable:  # its last draft: keep what both hold
                 trim_prompt_cache(self.cache, 1)
                 held = drafter.held
+                caches.append(drafter.cache)
+            elif drafter.held - held == 1 and drafter.rewinder.trimmable:  # it has fed the pending token (queue_next)
+                trim_prompt_cache(drafter.cache, 1)
+                drafter.held = held
                 caches.append(drafter.cache)
             # else (plain or batched rounds it never saw): the target alone; a later draft prefills again
         slot = LAYER_SLOTS.get(self.drafter.name)

@@ -205,3 +205,31 @@ def test_a_long_generation_releases_the_pool_as_it_crosses_256(pair_target):
     assert tokens == plain
     assert last.stats.drafted > 0 and last.stats.releases >= 1
     assert 256 <= last.stats.release_positions[0] < 256 + 1 + engine.settings.max_draft_tokens
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_first_draft_queued_with_the_verification_is_the_draft_it_would_have_made(trained, k, monkeypatch):
+    """The head queues the next round's first draft, for every outcome, before the verdict is read
+    (MTPDrafter.queue_next): the same drafts, so the same output and the same drafts kept, as drafting when asked."""
+    from runner.drafting.head import HeadDrafter
+
+    engine, expected = trained
+    from runner.drafting import drafters
+
+    used = []
+    propose = HeadDrafter.propose
+
+    def spy(self, context, depth, params, key):
+        used.append(self._next is not None and self._next[0] == len(context) - 1)
+        return propose(self, context, depth, params, key)
+
+    monkeypatch.setattr(HeadDrafter, "propose", spy)
+    runs = {}
+    for queue in (True, False):
+        monkeypatch.setattr(drafters, "QUEUE_NEXT_DRAFT", queue)
+        used.clear()
+        runs[queue] = greedy(engine, drafter="head", num_draft_tokens=k), sum(used)
+    ((tokens, stats), used_queued), ((plain_tokens, plain_stats), used_unqueued) = runs[True], runs[False]
+    assert tokens == plain_tokens == expected
+    assert (stats.drafted, stats.accepted) == (plain_stats.drafted, plain_stats.accepted)
+    assert used_unqueued == 0 and used_queued >= stats.rounds - 2, (used_queued, stats.rounds)

@@ -71,6 +71,43 @@ def test_greedy_with_the_adaptive_depth_equals_plain(engine, plain, drafter):
     assert len(depths) >= 2  # it drafted at some depth, and ran plain rounds (on prose, n-gram may never draft)
 
 
+def queued_or_not(engine, drafter_class, monkeypatch, **fields):
+    """Greedy (tokens, stats, rounds whose first draft was queued with the last verification) on both prompts, the
+    drafter queueing its next first draft (``queue_next``) and not."""
+    from runner.drafting import drafters
+
+    used = []
+    propose = drafter_class.propose
+
+    def spy(self, context, k, params, key):
+        # A queued first draft is ready for exactly this context (ModelDrafter: its length; MTPDrafter: the
+        # pending token's position).
+        used.append(self._next is not None and self._next[0] in (len(context), len(context) - 1))
+        return propose(self, context, k, params, key)
+
+    monkeypatch.setattr(drafter_class, "propose", spy)
+    runs = {}
+    for queue in (True, False):
+        monkeypatch.setattr(drafters, "QUEUE_NEXT_DRAFT", queue)
+        used.clear()
+        runs[queue] = [greedy(engine, prompt, **fields) for prompt in (PROSE, GROUNDED)], sum(used)
+    return runs
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_first_draft_queued_with_the_verification_is_the_draft_it_would_have_made(engine, plain, k, monkeypatch):
+    """The draft model queues the next round's first draft, for every outcome, before the verdict is read
+    (ModelDrafter.queue_next): the same drafts, so the same output and the same drafts kept, as drafting when asked."""
+    from runner.drafting.drafters import ModelDrafter
+
+    runs = queued_or_not(engine, ModelDrafter, monkeypatch, drafter="model", num_draft_tokens=k)
+    (queued, used), (unqueued, unused) = runs[True], runs[False]
+    assert [tokens for tokens, _ in queued] == [tokens for tokens, _ in unqueued] == list(plain.values())
+    assert [(s.drafted, s.accepted) for _, s in queued] == [(s.drafted, s.accepted) for _, s in unqueued]
+    rounds = sum(s.rounds for _, s in queued)
+    assert unused == 0 and used >= rounds - 4, (used, rounds)  # every round but each request's first
+
+
 @pytest.mark.parametrize("k", [0, 1])
 def test_the_plain_rounds_of_a_speculative_decoder_equal_plain_decoding(engine, plain, k):
     """PlainDecoder queues each next forward pass before reading a token. A speculative decoder does the same

@@ -28,12 +28,16 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from common.defaults import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
 
 from ..rewind import Rewinder
 from ..sampling import SamplingParams, filtered_probs, sample
+
+# Whether a drafter queues the next round's first draft with the target's verification (``queue_next``): a draft
+# model, an MTP layer or a trained head (off only to measure it).
+QUEUE_NEXT_DRAFT = True
 
 
 def draft_token(logits: mx.array, params, key, probs: list) -> mx.array:
@@ -72,6 +76,12 @@ class Drafter(Protocol):
         """Up to ``k`` tokens to follow ``context`` (the prompt and every token chosen so far; its last
         token, the pending one, is in no cache yet). ``key`` is None for a greedy request."""
 
+    def queue_next(self, context: list[int], drafts: mx.array, verdict, params: SamplingParams, key) -> None:
+        """The target's verification of ``drafts`` (proposed after ``context``) is queued, its ``verdict`` not read
+        yet: queue the next round's first draft now, for every outcome at once, so the device computes it right
+        after the verification while the host reads the verdict (``accepted`` then keeps the outcome's).
+        Optional: a drafter that does nothing here drafts when next asked."""
+
     def accepted(self, proposal: Proposal, accepted: int) -> None:
         """The target kept the first ``accepted`` tokens of ``proposal``."""
 
@@ -90,6 +100,13 @@ class ModelDrafter:
     feeds what it has not seen (the pending token, the last draft of a round
     that kept them all, the tokens of plain rounds), then drafts k tokens, one
     forward pass each; ``accepted`` takes its cache back past the rejected ones.
+    Where its cache can be trimmed, it queues the next round's first draft with
+    the target's verification (``queue_next``): it drops its chained drafts and
+    feeds the k + 1 tokens that follow the pending one whatever the verdict (the
+    drafts, the verdict's token at the position it takes, ``mx.where``); row a
+    is the first draft after a kept drafts, and ``accepted`` trims the rows past
+    it. Its pass then holds k + 1 rows, not one, and it runs while the host reads
+    the verdict.
     """
 
     name = "model"
@@ -100,16 +117,27 @@ class ModelDrafter:
         self.held = held  # context tokens its cache holds
         self.rewinder = Rewinder(self.model, self.cache)
         self._fed: list[int] = []
+        self._queued: tuple | None = None  # (the verified round's pending position, its depth, drafts, q rows)
+        self._next: tuple | None = None  # (the context's length it drafts after, its draft, its q row or None)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, key) -> Proposal | None:
         if k <= 0:
             return None
-        inputs = context[self.held :]
-        self.rewinder.snapshot()
-        self._fed = list(inputs)
+        queued, self._next = self._next, None
+        step_keys = mx.random.split(key, k) if key is not None else [None] * k
         tokens, probs = [], []
-        step_input = mx.array(inputs)
-        for step_key in mx.random.split(key, k) if key is not None else [None] * k:
+        self.rewinder.snapshot()
+        if queued is not None and queued[0] == len(context) == self.held:  # queued with the verification
+            _, token, q = queued
+            tokens.append(token)
+            probs += [q] if q is not None else []
+            self._fed = []
+            step_input, step_keys = token[None], step_keys[1:]
+        else:
+            inputs = context[self.held :]
+            self._fed = list(inputs)
+            step_input = mx.array(inputs)
+        for step_key in step_keys:
             logits = self.model(step_input[None], cache=self.cache)[0, -1]
             token = draft_token(logits, params, step_key, probs)
             mx.async_eval(token)
@@ -117,7 +145,28 @@ class ModelDrafter:
             step_input = token[None]
         return Proposal(mx.stack(tokens).astype(mx.uint32), mx.stack(probs) if probs else None)
 
+    def queue_next(self, context: list[int], drafts: mx.array, verdict, params: SamplingParams, key) -> None:
+        k = drafts.size
+        # Its cache holds the context (the pending token last) and the chained drafts 1..k-1.
+        if not QUEUE_NEXT_DRAFT or not self.rewinder.trimmable or self.held + len(self._fed) != len(context):
+            return
+        trim_prompt_cache(self.cache, k - 1)
+        next_token = verdict.next_token.astype(mx.uint32)
+        fed = mx.concatenate([drafts.astype(mx.uint32), next_token[None]])
+        following = mx.where(mx.arange(k + 1) == verdict.accepted, next_token, fed)
+        probs: list = []
+        tokens = draft_token(self.model(following[None], cache=self.cache)[0], params, key, probs)
+        mx.async_eval(tokens)
+        self._queued = (len(context), k, tokens, probs[0] if probs else None)
+
     def accepted(self, proposal: Proposal, accepted: int) -> None:
+        queued, self._queued = self._queued, None
+        if queued is not None:  # it fed the k + 1 tokens after the context: it keeps the kept drafts and the next
+            length, k, tokens, q = queued
+            trim_prompt_cache(self.cache, k - accepted)
+            self.held = length + accepted + 1
+            self._next = (self.held, tokens[accepted], None if q is None else q[accepted])
+            return
         k = proposal.size
         drafts = proposal.tokens.tolist()
         # It ran inputs + drafts[:-1]; it keeps inputs + drafts[:accepted] (all it ran when every draft was kept:
@@ -180,6 +229,9 @@ class NgramDrafter:
     def accepted(self, proposal: Proposal, accepted: int) -> None:
         pass
 
+    def queue_next(self, context, drafts, verdict, params, key) -> None:
+        pass  # a lookup on the host: nothing for the device to start early
+
 
 class HiddenStateDrafter:
     """What a drafter that reads the target's own hidden states shares (an MTP layer, a trained head, a block
@@ -188,6 +240,9 @@ class HiddenStateDrafter:
 
     def accepted(self, proposal: Proposal, accepted: int) -> None:
         pass  # its cache holds only positions the target kept
+
+    def queue_next(self, context, drafts, verdict, params, key) -> None:
+        pass
 
     def extend(self, tokens: list[int]) -> None:
         pass

@@ -42,6 +42,7 @@ from common.footprint import mtp_layers, text_config
 
 from ..prompt_cache import trimmed_copy
 from ..sampling import SamplingParams
+from . import drafters
 from .drafters import HiddenStateDrafter, Proposal, draft_token
 
 
@@ -258,6 +259,12 @@ class MTPDrafter(HiddenStateDrafter):
         self.hidden: dict[int, mx.array] = {}  # target position -> its hidden state (1, 1, width)
         self.held = held  # context positions its cache covers: pairs (h_i, token i+1) for i < held
         self.whole = True  # its cache holds a pair for every position before ``held`` (none was missing)
+        # The next round's first draft for every outcome of a verification not read yet (``queue_next``): the
+        # verified round's first position, its depth, the layer's output rows, their drafts and q rows.
+        self._queued: tuple | None = None
+        # That outcome's, once known (``accepted``): the position it drafts after, its draft, the layer's output
+        # row it chains on, its q row (None: greedy).
+        self._next: tuple | None = None
 
     def layer_state(self, tokens: int) -> KVCache | None:
         """For the prompt cache's entry of the context's first ``tokens`` tokens: a copy of its cache holding the
@@ -273,18 +280,26 @@ class MTPDrafter(HiddenStateDrafter):
         if k <= 0:
             return None
         last = len(context) - 1  # the pending token's position: h_last is not known yet
-        positions = [i for i in range(self.held, last) if i in self.hidden]
-        if not positions:
-            return None  # nothing of the target's to draft from (yet)
-        if positions != list(range(self.held, last)):
-            self.whole = False
-        hidden = mx.concatenate([self.hidden[i] for i in positions], axis=1)
-        following = mx.array([context[i + 1] for i in positions])[None]
-        for i in [i for i in self.hidden if i < last]:  # in place: the target's HiddenModel writes here
-            del self.hidden[i]
-        self.held = last
+        queued, self._next = self._next, None
+        step_keys = mx.random.split(key, k) if key is not None else [None] * k
         tokens, probs = [], []
-        for step_key in mx.random.split(key, k) if key is not None else [None] * k:
+        if queued is not None and queued[0] == last == self.held:  # its first draft, queued with the verification
+            _, token, hidden, q = queued
+            tokens.append(token)
+            probs += [q] if q is not None else []
+            following, step_keys = token.reshape(1, 1), step_keys[1:]
+        else:
+            positions = [i for i in range(self.held, last) if i in self.hidden]
+            if not positions:
+                return None  # nothing of the target's to draft from (yet)
+            if positions != list(range(self.held, last)):
+                self.whole = False
+            hidden = mx.concatenate([self.hidden[i] for i in positions], axis=1)
+            following = mx.array([context[i + 1] for i in positions])[None]
+            for i in [i for i in self.hidden if i < last]:  # in place: the target's HiddenModel writes here
+                del self.hidden[i]
+            self.held = last
+        for step_key in step_keys:
             x = self.mtp.decode(self.mtp.project(self.embed(following), hidden), self.cache)
             hidden = x[:, -1:]
             logits = self.head(self.mtp.final_norm(hidden))[0, -1]
@@ -295,3 +310,36 @@ class MTPDrafter(HiddenStateDrafter):
         if k > 1:
             self.cache.trim(k - 1)  # the chained steps rest on its own hidden states: the next round feeds the target's
         return Proposal(mx.stack(tokens).astype(mx.uint32), mx.stack(probs) if probs else None)
+
+    def queue_next(self, context: list[int], drafts: mx.array, verdict, params: SamplingParams, key) -> None:
+        """The verification of ``drafts`` fed the target positions last..last + k (the pending token and the
+        drafts): whatever it keeps (a of them), the next round's first draft comes from the pairs of positions
+        last..last + a, which are (h_i, the token fed after i) up to the kept drafts and (h_last+a, the target's
+        own token) at the end. Row j of one pass of the layer over (h_last+j, x_j), where x_j is draft j + 1, or the
+        verdict's token where j = a (lazy, an ``mx.where``), is that draft for the outcome a = j: causal attention
+        keeps row j from seeing rows after it. ``accepted`` trims the rows past a off its cache."""
+        last, k = len(context) - 1, drafts.size
+        rows = range(last, last + k + 1)
+        if not drafters.QUEUE_NEXT_DRAFT or self.held != last or any(i not in self.hidden for i in rows):
+            return
+        hidden = mx.concatenate([self.hidden.pop(i) for i in rows], axis=1)
+        next_token = verdict.next_token.astype(mx.uint32)
+        fed = mx.concatenate([drafts.astype(mx.uint32), next_token[None]])
+        following = mx.where(mx.arange(k + 1) == verdict.accepted, next_token, fed)[None]
+        x = self.mtp.decode(self.mtp.project(self.embed(following), hidden), self.cache)
+        probs: list = []
+        tokens = draft_token(self.head(self.mtp.final_norm(x))[0], params, key, probs)
+        mx.async_eval(tokens)
+        self._queued = (last, k, x, tokens, probs[0] if probs else None)
+        self._next = None
+
+    def accepted(self, proposal: Proposal, accepted: int) -> None:
+        """With a first draft queued (``queue_next``): keep the pairs of the positions the target kept, and the
+        draft that follows them."""
+        queued, self._queued = self._queued, None
+        if queued is None:
+            return
+        last, k, x, tokens, q = queued
+        self.cache.trim(k - accepted)
+        self.held = last + accepted + 1
+        self._next = (self.held, tokens[accepted], x[:, accepted : accepted + 1], None if q is None else q[accepted])
