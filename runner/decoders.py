@@ -532,7 +532,7 @@ class SpeculativeDecoder(Decoder):
                 head, row = self._read_queued()
                 rows = [row]
                 budget -= 1
-            k = min(wanted, budget - 1)
+            k = max(0, min(wanted, budget - 1))  # none when the token read was the last the budget allows
             step = self._round(budget, k, head, rows) if budget > 0 else Step(head, 0, 0, rows[0])
         # A round whose drafter had nothing to offer counts, for the controller, as one at depth k whose first
         # draft was not kept: depth k's acceptance and time include its rounds without a proposal, and depth

@@ -108,6 +108,18 @@ def test_a_first_draft_queued_with_the_verification_is_the_draft_it_would_have_m
     assert unused == 0 and used >= rounds - 4, (used, rounds)  # every round but each request's first
 
 
+def test_a_round_left_no_room_to_draft_is_a_plain_round(engine):
+    """A round that reads the token a plain round queued, with the budget's last token, drafts nothing: the depth
+    controller records a plain round, not one of depth -1 (min(k, budget - 1) with no budget left)."""
+    for tokens in range(2, 40):
+        request = GenerationRequest(
+            prompt="Repeat: a b c d e f g h. Again: a b c", max_tokens=tokens, drafter="ngram", ignore_eos=True
+        )
+        _, _, last = collect(engine.generate(request))
+        assert last.stats.generated_tokens == tokens
+    assert min(engine.depth["ngram"].histogram) >= 0, engine.depth["ngram"].histogram
+
+
 @pytest.mark.parametrize("k", [0, 1])
 def test_the_plain_rounds_of_a_speculative_decoder_equal_plain_decoding(engine, plain, k):
     """PlainDecoder queues each next forward pass before reading a token. A speculative decoder does the same
