@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import mlx.core as mx
 import pytest
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
 from common.settings import RunnerSettings
 from runner.engine import Engine
+from runner.loading.row_padding import MEMO_ENV
+
+# Row padding's measured times go to a file of this session's (every runner it starts inherits the setting), not the
+# user's cache: times measured while tests load the CPU must not decide a later serve's row padding.
+os.environ.setdefault(MEMO_ENV, os.path.join(tempfile.mkdtemp(prefix="mlxserve-tests-"), "row_padding.json"))
 
 
 @pytest.fixture(scope="session")

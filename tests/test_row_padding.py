@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import mlx.core as mx
@@ -86,6 +87,7 @@ def test_left_to_itself_the_runner_measures_which_is_faster_and_says_so(monkeypa
     times in its reason (the runner's Info), and answers as either way. The next load of the same model on this
     machine remembers the times. The environment overrides it."""
     monkeypatch.delenv(row_padding.ENV, raising=False)
+    monkeypatch.delenv(row_padding.MEMO_ENV, raising=False)  # the user's cache, as a serve has it
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     loaded = load_model(DEFAULT_TARGET, "float32")
     if not row_padding.applies():
@@ -109,6 +111,7 @@ def test_left_to_itself_the_runner_measures_which_is_faster_and_says_so(monkeypa
 def test_the_remembered_times_are_kept_for_the_latest_models_only(monkeypatch, tmp_path):
     """Every folder a model is loaded from is a model to remember (the tests load from many temporary ones): the
     file keeps the ``REMEMBERED`` most recently measured, so it does not grow without end."""
+    monkeypatch.delenv(row_padding.MEMO_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(row_padding, "REMEMBERED", 3)
     for i in range(5):
@@ -123,3 +126,10 @@ def test_the_remembered_times_are_kept_for_the_latest_models_only(monkeypatch, t
     ]
     row_padding._remember("model-5", (0.002, 0.005))
     assert row_padding._remembered("model-3") is None and row_padding._remembered("model-2") == (0.002, 0.5)
+    assert (tmp_path / "mlxserve" / "row_padding.json").is_file()
+    # MLXSERVE_ROW_PADDING_MEMO names another file (the tests' own, so a test run never decides a serve's padding).
+    monkeypatch.setenv(row_padding.MEMO_ENV, str(tmp_path / "elsewhere.json"))
+    assert row_padding._remembered("model-5") is None
+    row_padding._remember("model-5", (0.002, 0.006))
+    assert json.loads((tmp_path / "elsewhere.json").read_text())
+    assert row_padding._remembered("model-5") == (0.002, 0.006)

@@ -23,8 +23,8 @@ Xeon they were not (plain decoding 0.79x mlx-lm's). So where it may apply (the C
 steps one row and two rows, alternated, each for a short time, and pads only where two rows are clearly
 faster; the reason, with both times, is in the runner's Info. The times are remembered per machine and model
 (``~/.cache/mlxserve/row_padding.json``, or under ``$XDG_CACHE_HOME``: keyed by the CPU, MLX's version, the
-model's folder and config and the dtype; the ``REMEMBERED`` most recently measured), so a restart does not
-measure again. ``MLXSERVE_ROW_PADDING=0`` or
+model's folder and config and the dtype; the ``REMEMBERED`` most recently measured; ``MLXSERVE_ROW_PADDING_MEMO``
+names another file, as the tests do), so a restart does not measure again. ``MLXSERVE_ROW_PADDING=0`` or
 ``=1`` overrides it all.
 """
 
@@ -43,6 +43,7 @@ import mlx.nn as nn
 from common import cpu_blas
 
 ENV = "MLXSERVE_ROW_PADDING"
+MEMO_ENV = "MLXSERVE_ROW_PADDING_MEMO"  # the file the times are remembered in, where not the user's cache (the tests')
 
 
 MEASURE_SECONDS = 0.12  # each variant's share of one of the measuring rounds
@@ -81,6 +82,8 @@ def decide(model, identity: str = "") -> tuple[int, str]:
 
 
 def _memo() -> Path:
+    if os.environ.get(MEMO_ENV):
+        return Path(os.environ[MEMO_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "mlxserve" / "row_padding.json"
 
