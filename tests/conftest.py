@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import mlx.core as mx
@@ -15,7 +17,10 @@ from runner.loading.row_padding import MEMO_ENV
 
 # Row padding's measured times go to a file of this session's (every runner it starts inherits the setting), not the
 # user's cache: times measured while tests load the CPU must not decide a later serve's row padding.
-os.environ.setdefault(MEMO_ENV, os.path.join(tempfile.mkdtemp(prefix="mlxserve-tests-"), "row_padding.json"))
+if MEMO_ENV not in os.environ:  # set once, by the process that starts the session (xdist's workers inherit it)
+    _memo_folder = tempfile.mkdtemp(prefix="mlxserve-tests-")
+    os.environ[MEMO_ENV] = os.path.join(_memo_folder, "row_padding.json")
+    atexit.register(shutil.rmtree, _memo_folder, True)
 
 
 @pytest.fixture(scope="session")
