@@ -32,7 +32,7 @@ from common.requests import is_unicode
 from common.status import Code, ServiceError
 
 from . import embeddings
-from .http_common import while_connected
+from .http_common import load_while_connected, while_connected
 from .protocol import supervisor_pb2
 
 TOKEN_ID_LIMIT = 2**31  # what a token id field holds; the runner checks the model's vocabulary
@@ -180,7 +180,7 @@ def register(app: FastAPI, supervisor, authorized) -> None:
             if seconds == 0:
                 await run_in_threadpool(supervisor.scheduler.unload, model, "keep_alive 0 (Ollama API)")
             else:
-                await run_in_threadpool(lambda: supervisor.scheduler.load(model, wait=True, timeout=None))
+                await load_while_connected(request, supervisor.scheduler, model)
                 await keep_alive(model, seconds)
             return {"model": model, "embeddings": []}
         texts, _ = inputs(value, "input", allow_ids=False)
@@ -204,7 +204,7 @@ def register(app: FastAPI, supervisor, authorized) -> None:
         ollama_options(body)
         prompt = body.get("prompt")
         if prompt in (None, ""):  # as Ollama: an empty embedding
-            await run_in_threadpool(lambda: supervisor.scheduler.load(model, wait=True, timeout=None))
+            await load_while_connected(request, supervisor.scheduler, model)
             return {"embedding": []}
         message = build_embed(model, [text(prompt, "prompt")], [], True, None, REQUEST_ID.get())
         answer = await while_connected(request, embeddings.embed(supervisor, message))

@@ -10,10 +10,12 @@ import json
 import logging
 import math
 import secrets
+import threading
 from typing import Annotated
 
 from fastapi.responses import StreamingResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
+from starlette.concurrency import run_in_threadpool
 
 from common.protocol import runner_pb2
 from common.requests import NOT_UNICODE, check_fields, is_unicode
@@ -73,6 +75,15 @@ async def while_connected(request, work, on_disconnect=None):
             on_disconnect()
         task.cancel()
         raise
+
+
+async def load_while_connected(request, scheduler, model: str) -> None:
+    """Start ``model``'s runner and wait until it serves (an Ollama request with nothing to answer loads the model),
+    watching the client meanwhile: one that disconnects ends the wait (``Scheduler.load``'s ``cancelled``), and with it
+    the making room a runner may be doing for it."""
+    cancelled = threading.Event()
+    work = run_in_threadpool(lambda: scheduler.load(model, wait=True, timeout=None, cancelled=cancelled))
+    await while_connected(request, work, cancelled.set)
 
 
 async def log_refusal(request, status: int, message: str) -> None:

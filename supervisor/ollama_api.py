@@ -45,7 +45,16 @@ from common.requests import FinishReason
 from common.status import Code, ServiceError
 
 from . import hub
-from .http_common import EventStream, Number, Schema, build_request, finite, log_refusal, tool_calls
+from .http_common import (
+    EventStream,
+    Number,
+    Schema,
+    build_request,
+    finite,
+    load_while_connected,
+    log_refusal,
+    tool_calls,
+)
 from .http_errors import http_status, in_api_words
 
 OLLAMA_VERSION = "0.12.0"  # the API level answered at /api/version (clients check it for features)
@@ -567,13 +576,13 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
     async def keep_alive_after(name: str, seconds: float | None) -> None:
         await keep_alive(supervisor, name, seconds)
 
-    async def load_or_unload(body, seconds: float | None) -> dict:
+    async def load_or_unload(request: Request, body, seconds: float | None) -> dict:
         started = time.perf_counter()
         if seconds == 0:
             await run_in_threadpool(supervisor.scheduler.unload, body.model, "keep_alive 0 (Ollama API)")
             reason = "unload"
         else:
-            await run_in_threadpool(lambda: supervisor.scheduler.load(body.model, wait=True, timeout=None))
+            await load_while_connected(request, supervisor.scheduler, body.model)
             await keep_alive_after(body.model, seconds)
             reason = "load"
         out = {"model": body.model, "created_at": now(), "done": True, "done_reason": reason}
@@ -584,7 +593,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
     async def chat(body: ChatRequest, request: Request):
         seconds = keep_alive_seconds(body.keep_alive)
         if not body.messages:
-            answer = await load_or_unload(body, seconds)
+            answer = await load_or_unload(request, body, seconds)
             return {**answer, "message": {"role": "assistant", "content": ""}}
         return await generate_answer(request, body, body.to_proto(), seconds, chat=True)
 
@@ -592,17 +601,17 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
     async def generate(body: GenerateRequest, request: Request):
         seconds = keep_alive_seconds(body.keep_alive)
         if not body.prompt and not body.system:
-            return {**await load_or_unload(body, seconds), "response": ""}
+            return {**await load_or_unload(request, body, seconds), "response": ""}
         runner = supervisor.scheduler.runner(body.model)
         if runner.info is None and not body.raw:  # whether it has a chat template: load it to know
-            await run_in_threadpool(lambda: supervisor.scheduler.load(body.model, wait=True, timeout=None))
+            await load_while_connected(request, supervisor.scheduler, body.model)
         templated = runner.info is not None and runner.info.chat_template
         return await generate_answer(request, body, body.to_proto(templated), seconds, chat=False)
 
     async def generate_answer(request: Request, body, proto, seconds: float | None, chat: bool):
         started = time.perf_counter()
         if not supervisor.scheduler.runner(body.model).pid:  # load it first, to tell load_duration apart
-            await run_in_threadpool(lambda: supervisor.scheduler.load(body.model, wait=True, timeout=None))
+            await load_while_connected(request, supervisor.scheduler, body.model)
         load = time.perf_counter() - started
         generation = supervisor.generate(proto, timeout=None)
         key = "message" if chat else "response"

@@ -166,12 +166,12 @@ class SupervisorProcess:
             **options,
         )
 
-    def ollama(self, host: str | None = None):
+    def ollama(self, host: str | None = None, timeout: float = 300):
         """The official Ollama client, pointed at this supervisor (its main HTTP port unless ``host``)."""
         import ollama
 
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
-        return ollama.Client(host=host or f"http://127.0.0.1:{self.http_port}", headers=headers, timeout=300)
+        return ollama.Client(host=host or f"http://127.0.0.1:{self.http_port}", headers=headers, timeout=timeout)
 
     def wait_ready(self, timeout: float = 90) -> SupervisorProcess:
         if not self.client.wait_serving(timeout):

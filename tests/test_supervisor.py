@@ -248,6 +248,14 @@ def give_up(sup, outcome: dict, **body) -> None:
         outcome["raised"] = type(raised).__name__
 
 
+def give_up_loading(sup, outcome: dict, model: str) -> None:
+    """Ollama's client asking to load ``model`` (an embed request with no input), giving up after 5 s."""
+    try:
+        sup.ollama(timeout=5).embed(model=model, input=[])
+    except Exception as raised:
+        outcome["raised"] = type(raised).__name__
+
+
 def test_lru_eviction_and_keep_alive(tmp_path):
     models = model_toml("first") + model_toml("second", load_at_start=False, keep_alive="2s")
     models += model_toml("minilm", target=MINILM_DIR, draft=None, load_at_start=False)
@@ -281,6 +289,15 @@ def test_lru_eviction_and_keep_alive(tmp_path):
         assert wait_until(lambda: sup.client.model("first").making_room_for == "minilm", 60)
         gave_up.join(30)
         assert outcome.get("raised") == "APITimeoutError"
+        assert wait_until(lambda: not sup.client.model("first").making_room_for, 10)
+        assert sup.client.model("minilm").state == supervisor_pb2.RUNNER_STATE_STOPPED
+        # So does a request that only loads the model (Ollama's, with nothing to embed), whose client gives up.
+        outcome = {}
+        gave_up = threading.Thread(target=give_up_loading, args=(sup, outcome, "minilm"))
+        gave_up.start()
+        assert wait_until(lambda: sup.client.model("first").making_room_for == "minilm", 60)
+        gave_up.join(30)
+        assert outcome.get("raised") in ("ReadTimeout", "TimeoutException"), outcome
         assert wait_until(lambda: not sup.client.model("first").making_room_for, 10)
         assert sup.client.model("minilm").state == supervisor_pb2.RUNNER_STATE_STOPPED
         busy.cancel()
