@@ -180,7 +180,7 @@ def register(app: FastAPI, supervisor, authorized) -> None:
             if seconds == 0:
                 await run_in_threadpool(supervisor.scheduler.unload, model, "keep_alive 0 (Ollama API)")
             else:
-                await load_while_connected(request, supervisor.scheduler, model)
+                await load_while_connected(request, supervisor.scheduler, model, only=True)
                 await keep_alive(model, seconds)
             return {"model": model, "embeddings": []}
         texts, _ = inputs(value, "input", allow_ids=False)
@@ -204,7 +204,7 @@ def register(app: FastAPI, supervisor, authorized) -> None:
         ollama_options(body)
         prompt = body.get("prompt")
         if prompt in (None, ""):  # as Ollama: an empty embedding
-            await load_while_connected(request, supervisor.scheduler, model)
+            await load_while_connected(request, supervisor.scheduler, model, only=True)
             return {"embedding": []}
         message = build_embed(model, [text(prompt, "prompt")], [], True, None, REQUEST_ID.get())
         answer = await while_connected(request, embeddings.embed(supervisor, message))

@@ -77,13 +77,16 @@ async def while_connected(request, work, on_disconnect=None):
         raise
 
 
-async def load_while_connected(request, scheduler, model: str) -> None:
+async def load_while_connected(request, scheduler, model: str, only: bool = False) -> None:
     """Start ``model``'s runner and wait until it serves (an Ollama request with nothing to answer loads the model),
     watching the client meanwhile: one that disconnects ends the wait (``Scheduler.load``'s ``cancelled``), and with it
-    the making room a runner may be doing for it."""
+    the making room a runner may be doing for it. ``only``: the request makes no call after it, so the runner is not
+    held for one (its keep-alive, and its eviction, count from now)."""
     cancelled = threading.Event()
     work = run_in_threadpool(lambda: scheduler.load(model, wait=True, timeout=None, cancelled=cancelled))
-    await while_connected(request, work, cancelled.set)
+    runner = await while_connected(request, work, cancelled.set)
+    if only:
+        runner.release_claim()
 
 
 async def log_refusal(request, status: int, message: str) -> None:

@@ -582,7 +582,7 @@ def register(app: FastAPI, supervisor, authorized, until_done) -> None:
             await run_in_threadpool(supervisor.scheduler.unload, body.model, "keep_alive 0 (Ollama API)")
             reason = "unload"
         else:
-            await load_while_connected(request, supervisor.scheduler, body.model)
+            await load_while_connected(request, supervisor.scheduler, body.model, only=True)
             await keep_alive_after(body.model, seconds)
             reason = "load"
         out = {"model": body.model, "created_at": now(), "done": True, "done_reason": reason}

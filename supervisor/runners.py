@@ -158,6 +158,13 @@ class ManagedRunner:
         now = time.monotonic()
         self.last_used = self.claimed_at = now
 
+    def release_claim(self) -> None:
+        """The request it was handed makes no call (it only loaded the model): idle from now, its keep-alive counted
+        from now, not ``CLAIM_GRACE`` seconds on."""
+        with self._cond:
+            self.claimed_at = None
+            self.last_used = time.monotonic()
+
     def stderr_summary(self, lines: int = 5) -> str:
         """The runner's last words that matter: its warnings, errors and tracebacks, not its INFO log lines."""
         tail = [line.strip() for line in self.stderr_tail if line.strip()][-lines:]

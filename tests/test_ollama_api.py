@@ -12,6 +12,8 @@ import jsonschema
 import ollama
 import pytest
 
+from tests.processes import wait_until
+
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "num_predict": 30}
 
@@ -127,6 +129,20 @@ def test_keep_alive_zero_unloads_and_an_empty_request_loads(client):
     assert unloaded.done_reason == "unload" and "busy" not in {m.model for m in client.ps().models}
     loaded = client.generate(model="busy")
     assert loaded.done_reason == "load" and "busy" in {m.model for m in client.ps().models}
+
+
+def test_a_model_only_loaded_goes_when_its_keep_alive_has_passed(client, chat_supervisor):
+    """A request that only loads a model holds it for no call after it: a short keep_alive unloads it once that
+    passes (it was held CLAIM_GRACE, 5 s, from when it began serving, for the call a request that loads it makes)."""
+
+    def loaded() -> bool:
+        return chat_supervisor.client.model("busy").pid != 0
+
+    client.generate(model="busy", keep_alive=0)
+    assert wait_until(lambda: not loaded(), 10)
+    assert client.generate(model="busy", keep_alive="1s").done_reason == "load" and loaded()
+    assert wait_until(lambda: not loaded(), 3.5)  # 1 s, and the keep-alive reaper's half-second look
+    assert client.generate(model="busy").done_reason == "load" and loaded()  # as the other tests found it
 
 
 @pytest.mark.parametrize(
