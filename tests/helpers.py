@@ -475,3 +475,26 @@ def on_a_terminal(args: list[str], env: dict, steps=(), timeout: float = 120) ->
         if process.poll() is None:
             process.kill()
         os.close(master)
+
+
+def queued_and_not(monkeypatch, drafter_class, run) -> dict:
+    """``run()`` twice: the drafter queueing the next round's first draft with each verification
+    (``Drafter.queue_next``), and not. {queueing: (what ``run`` returned, the proposals that took a queued draft)}."""
+    from runner.drafting import drafters
+
+    used = []
+    propose = drafter_class.propose
+
+    def spy(self, context, k, params, key):
+        # A queued first draft is ready for exactly this context (the draft model's after all of it, an MTP
+        # layer's or a head's after the pending token's position).
+        used.append(self._next is not None and self._next[0] in (len(context), len(context) - 1))
+        return propose(self, context, k, params, key)
+
+    monkeypatch.setattr(drafter_class, "propose", spy)
+    runs = {}
+    for queue in (True, False):
+        monkeypatch.setattr(drafters, "QUEUE_NEXT_DRAFT", queue)
+        used.clear()
+        runs[queue] = run(), sum(used)
+    return runs

@@ -19,7 +19,7 @@ from common.requests import InvalidRequest
 from common.settings import RunnerSettings, SettingsError
 from runner.engine import Engine
 from runner.request import GenerationRequest
-from tests.helpers import batched_and_alone, collect
+from tests.helpers import batched_and_alone, collect, queued_and_not
 
 HEADS = Path(__file__).resolve().parents[1] / "models" / "heads"
 TARGETS = {"default": DEFAULT_TARGET, "smollm2": SMOLLM2_DIR, "gemma3-270m": GEMMA3_DIR}
@@ -214,21 +214,7 @@ def test_a_first_draft_queued_with_the_verification_is_the_draft_it_would_have_m
     from runner.drafting.head import HeadDrafter
 
     engine, expected = trained
-    from runner.drafting import drafters
-
-    used = []
-    propose = HeadDrafter.propose
-
-    def spy(self, context, depth, params, key):
-        used.append(self._next is not None and self._next[0] == len(context) - 1)
-        return propose(self, context, depth, params, key)
-
-    monkeypatch.setattr(HeadDrafter, "propose", spy)
-    runs = {}
-    for queue in (True, False):
-        monkeypatch.setattr(drafters, "QUEUE_NEXT_DRAFT", queue)
-        used.clear()
-        runs[queue] = greedy(engine, drafter="head", num_draft_tokens=k), sum(used)
+    runs = queued_and_not(monkeypatch, HeadDrafter, lambda: greedy(engine, drafter="head", num_draft_tokens=k))
     ((tokens, stats), used_queued), ((plain_tokens, plain_stats), used_unqueued) = runs[True], runs[False]
     assert tokens == plain_tokens == expected
     assert (stats.drafted, stats.accepted) == (plain_stats.drafted, plain_stats.accepted)

@@ -21,7 +21,7 @@ from runner.engine import Engine
 from runner.prefill import PrefillPlanner
 from runner.request import GenerationRequest
 from runner.sampling import SamplingParams, point_mass, verify_sampled
-from tests.helpers import collect, tiny_hybrid_model, tiny_sliding_window_model
+from tests.helpers import collect, queued_and_not, tiny_hybrid_model, tiny_sliding_window_model
 from tests.test_engine_sampling import CHI2_CRITICAL_DF5, chi_square
 
 PROSE = "The for statement is used to iterate over the elements of a sequence"
@@ -71,36 +71,17 @@ def test_greedy_with_the_adaptive_depth_equals_plain(engine, plain, drafter):
     assert len(depths) >= 2  # it drafted at some depth, and ran plain rounds (on prose, n-gram may never draft)
 
 
-def queued_or_not(engine, drafter_class, monkeypatch, **fields):
-    """Greedy (tokens, stats, rounds whose first draft was queued with the last verification) on both prompts, the
-    drafter queueing its next first draft (``queue_next``) and not."""
-    from runner.drafting import drafters
-
-    used = []
-    propose = drafter_class.propose
-
-    def spy(self, context, k, params, key):
-        # A queued first draft is ready for exactly this context (ModelDrafter: its length; MTPDrafter: the
-        # pending token's position).
-        used.append(self._next is not None and self._next[0] in (len(context), len(context) - 1))
-        return propose(self, context, k, params, key)
-
-    monkeypatch.setattr(drafter_class, "propose", spy)
-    runs = {}
-    for queue in (True, False):
-        monkeypatch.setattr(drafters, "QUEUE_NEXT_DRAFT", queue)
-        used.clear()
-        runs[queue] = [greedy(engine, prompt, **fields) for prompt in (PROSE, GROUNDED)], sum(used)
-    return runs
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_first_draft_queued_with_the_verification_is_the_draft_it_would_have_made(engine, plain, k, monkeypatch):
     """The draft model queues the next round's first draft, for every outcome, before the verdict is read
     (ModelDrafter.queue_next): the same drafts, so the same output and the same drafts kept, as drafting when asked."""
     from runner.drafting.drafters import ModelDrafter
 
-    runs = queued_or_not(engine, ModelDrafter, monkeypatch, drafter="model", num_draft_tokens=k)
+    runs = queued_and_not(
+        monkeypatch,
+        ModelDrafter,
+        lambda: [greedy(engine, prompt, drafter="model", num_draft_tokens=k) for prompt in (PROSE, GROUNDED)],
+    )
     (queued, used), (unqueued, unused) = runs[True], runs[False]
     assert [tokens for tokens, _ in queued] == [tokens for tokens, _ in unqueued] == list(plain.values())
     assert [(s.drafted, s.accepted) for _, s in queued] == [(s.drafted, s.accepted) for _, s in unqueued]
