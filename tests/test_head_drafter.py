@@ -219,3 +219,41 @@ def test_a_first_draft_queued_with_the_verification_is_the_draft_it_would_have_m
     assert tokens == plain_tokens == expected
     assert (stats.drafted, stats.accepted) == (plain_stats.drafted, plain_stats.accepted)
     assert used_unqueued == 0 and used_queued >= stats.rounds - 2, (used_queued, stats.rounds)
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 2])
+def test_a_queued_sampled_draft_carries_the_distribution_a_proposal_would_have(pair_target, accepted):
+    """Sampling: the first draft the head queues with a verification (MTPDrafter.queue_next), for the outcome the
+    verdict gives, hands the verifier the distribution a head fed the same positions afresh proposes from: were the
+    rows mixed up, speculative sampling would no longer keep the target's distribution, which its output would not
+    show."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from runner.drafting.head import HeadDrafter
+    from runner.drafting.mtp import HiddenModel
+    from runner.sampling import SamplingParams, Verdict
+
+    engine, _ = pair_target
+    params = SamplingParams(temperature=0.8)
+
+    def fed(context: list[int]) -> tuple:
+        """A head whose target ran all of ``context`` but its last token (a prefill)."""
+        drafter = HeadDrafter(engine.target.model, engine.head)
+        target, cache = HiddenModel(engine.target.model, drafter.hidden), make_prompt_cache(engine.target.model)
+        target(mx.array(context[:-1])[None], cache=cache)
+        return drafter, target, cache
+
+    context = engine.tokenizer.encode(PROMPT)
+    queued, target, cache = fed(context)
+    proposal = queued.propose(context, 2, params, mx.random.key(1))
+    target(mx.concatenate([mx.array(context[-1:], dtype=mx.uint32), proposal.tokens])[None], cache=cache)  # verify
+    chosen = 7  # the target's token after the kept drafts (any token: the verdict is the caller's)
+    queued.queue_next(context, proposal.tokens, Verdict(mx.array(accepted), mx.array(chosen)), params, mx.random.key(2))
+    queued.accepted(proposal, accepted)
+    after = context + proposal.tokens.tolist()[:accepted] + [chosen]
+    assert queued.held == len(after) - 1  # its pairs reach the pending token: it takes the queued draft
+    fresh = fed(after)[0].propose(after, 1, params, mx.random.key(3))
+    again = queued.propose(after, 1, params, mx.random.key(4))
+    assert mx.allclose(again.probs[0], fresh.probs[0], atol=1e-4).item()
+    assert again.probs[0][again.tokens[0]].item() > 0  # drawn from that distribution

@@ -89,6 +89,32 @@ def test_a_first_draft_queued_with_the_verification_is_the_draft_it_would_have_m
     assert unused == 0 and used >= rounds - 4, (used, rounds)  # every round but each request's first
 
 
+@pytest.mark.parametrize("accepted", [0, 1, 2])
+def test_a_queued_sampled_draft_carries_the_distribution_a_proposal_would_have(engine, accepted):
+    """Sampling: the first draft the draft model queues with a verification (ModelDrafter.queue_next), for the
+    outcome the verdict gives, is drawn from - and hands the verifier - the distribution a proposal made afresh
+    after the same context has: were the rows mixed up, speculative sampling would no longer keep the target's
+    distribution, which its output would not show."""
+    from runner.drafting.drafters import ModelDrafter
+    from runner.sampling import SamplingParams, Verdict
+
+    params = SamplingParams(temperature=0.8)
+    context = engine.tokenizer.encode(PROSE)
+    queued = ModelDrafter(engine.draft.model)
+    proposal = queued.propose(context, 2, params, mx.random.key(1))
+    drafts = proposal.tokens.tolist()
+    chosen = 7  # the target's token after the kept drafts (any token: the verdict is the caller's)
+    verdict = Verdict(mx.array(accepted), mx.array(chosen, dtype=mx.uint32))
+    queued.queue_next(context, proposal.tokens, verdict, params, mx.random.key(2))
+    queued.accepted(proposal, accepted)
+    after = context + drafts[:accepted] + [chosen]
+    fresh = ModelDrafter(engine.draft.model).propose(after, 1, params, mx.random.key(3))
+    next_proposal = queued.propose(after, 1, params, mx.random.key(4))
+    assert queued._next is None and queued.held == len(after)  # it took the queued draft
+    assert mx.allclose(next_proposal.probs[0], fresh.probs[0], atol=1e-5).item()
+    assert next_proposal.probs[0][next_proposal.tokens[0]].item() > 0  # drawn from that distribution
+
+
 def test_a_round_left_no_room_to_draft_is_a_plain_round(engine):
     """A round that reads the token a plain round queued, with the budget's last token, drafts nothing: the depth
     controller records a plain round, not one of depth -1 (min(k, budget - 1) with no budget left)."""
