@@ -309,7 +309,9 @@ def test_lru_eviction_and_keep_alive(tmp_path):
         answering, ended = threading.Event(), {}
 
         def long_answer() -> None:
-            for chunk in sup.client.generate(timeout=120, model="first", prompt="x", max_tokens=200, ignore_eos=True):
+            # Long enough to be under way when "second" is asked for (200 tokens took under a second once the next
+            # first draft was queued with each verification, and could end before it: nothing to make room from).
+            for chunk in sup.client.generate(timeout=120, model="first", prompt="x", max_tokens=1000, ignore_eos=True):
                 answering.set()
             ended["first"], ended["tokens"] = time.monotonic(), chunk.stats.generated_tokens
 
@@ -335,7 +337,7 @@ def test_lru_eviction_and_keep_alive(tmp_path):
         assert chunk.stats.generated_tokens == 4
         for thread in threads:
             thread.join(60)
-        assert ended["tokens"] == 200 and ended["first"] <= ended["second"]  # the long answer was whole, ended first
+        assert ended["tokens"] == 1000 and ended["first"] <= ended["second"]  # the long answer was whole, ended first
         assert ended["second"] <= later_began  # "second" answered before the later request for "first" began
         assert ended["second_tokens"] == 4
         first = sup.client.model("first")
