@@ -59,6 +59,15 @@ def to_full_vocabulary(logits: mx.array, ids: mx.array, size: int) -> mx.array:
     return full
 
 
+def tokens_after_verification(drafts: mx.array, verdict) -> mx.array:
+    """The k + 1 tokens that follow the pending one whatever the ``verdict`` on ``drafts`` (lazy): the drafts, with
+    the verdict's own token in place of the first one it rejects (after all k: last). Fed to a drafter, row a is its
+    first draft for the outcome "a kept" (``queue_next``), causal attention keeping each row from the ones after it."""
+    next_token = verdict.next_token.astype(mx.uint32)
+    fed = mx.concatenate([drafts.astype(mx.uint32), next_token[None]])
+    return mx.where(mx.arange(drafts.size + 1) == verdict.accepted, next_token, fed)
+
+
 @dataclass
 class Proposal:
     tokens: mx.array  # (k,) uint32, possibly lazy
@@ -151,9 +160,7 @@ class ModelDrafter:
         if not QUEUE_NEXT_DRAFT or not self.rewinder.trimmable or self.held + len(self._fed) != len(context):
             return
         trim_prompt_cache(self.cache, k - 1)
-        next_token = verdict.next_token.astype(mx.uint32)
-        fed = mx.concatenate([drafts.astype(mx.uint32), next_token[None]])
-        following = mx.where(mx.arange(k + 1) == verdict.accepted, next_token, fed)
+        following = tokens_after_verification(drafts, verdict)
         probs: list = []
         tokens = draft_token(self.model(following[None], cache=self.cache)[0], params, key, probs)
         mx.async_eval(tokens)

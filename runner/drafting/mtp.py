@@ -43,7 +43,7 @@ from common.footprint import mtp_layers, text_config
 from ..prompt_cache import trimmed_copy
 from ..sampling import SamplingParams
 from . import drafters
-from .drafters import HiddenStateDrafter, Proposal, draft_token
+from .drafters import HiddenStateDrafter, Proposal, draft_token, tokens_after_verification
 
 
 def _text_model(model):
@@ -323,15 +323,12 @@ class MTPDrafter(HiddenStateDrafter):
         if not drafters.QUEUE_NEXT_DRAFT or self.held != last or any(i not in self.hidden for i in rows):
             return
         hidden = mx.concatenate([self.hidden.pop(i) for i in rows], axis=1)
-        next_token = verdict.next_token.astype(mx.uint32)
-        fed = mx.concatenate([drafts.astype(mx.uint32), next_token[None]])
-        following = mx.where(mx.arange(k + 1) == verdict.accepted, next_token, fed)[None]
+        following = tokens_after_verification(drafts, verdict)[None]
         x = self.mtp.decode(self.mtp.project(self.embed(following), hidden), self.cache)
         probs: list = []
         tokens = draft_token(self.head(self.mtp.final_norm(x))[0], params, key, probs)
         mx.async_eval(tokens)
         self._queued = (last, k, x, tokens, probs[0] if probs else None)
-        self._next = None
 
     def accepted(self, proposal: Proposal, accepted: int) -> None:
         """With a first draft queued (``queue_next``): keep the pairs of the positions the target kept, and the
