@@ -42,7 +42,11 @@ PAIR_PROSE_MS = (7.4, 12.25, 14.76, 17.98, 20.71, 22.74, 23.71)
 PAIR_GROUNDED_MS = (7.4, 11.11, 14.4, 17.81, 19.34, 21.74, 24.43)
 PAIR_PROSE = [0.724, 0.81, 0.738, 0.803, 0.776, 0.737]
 PAIR_GROUNDED = [0.76, 0.804, 0.872, 0.824, 0.768, 0.952]
-MEASURED = (PAIR_PROSE, PAIR_GROUNDED)
+# The same pair on the AMD EPYC (2026-12-07, later; the next first draft queued with each verification): a round's
+# median at each depth as the controller timed it, and the runner's per-position acceptance after 4 prompts x 6 runs.
+PAIR_EPYC_MS = (5.24, 6.49, 8.79, 11.9, 13.65, 14.18, 15.11)
+PAIR_EPYC = [0.76, 0.84, 0.77, 0.71, 0.81, 0.98]
+MEASURED = (PAIR_PROSE, PAIR_GROUNDED, PAIR_EPYC)
 # Their requests start hard: at k = 3, the first draft of a request's first 5 rounds was kept 15% of the time
 # (7 prose and 3 grounded prompts, 2026-12-07), of its next 10 about 75%, and of the rest 80%.
 HARD_START = 8  # tokens
@@ -63,6 +67,7 @@ PROFILES = {
     "switching regimes": (None, pair),
     "default pair, prose, measured 2026-12-07": (PAIR_PROSE, lambda k: PAIR_PROSE_MS[k] / 1000),
     "default pair, input-grounded, measured 2026-12-07": (PAIR_GROUNDED, lambda k: PAIR_GROUNDED_MS[k] / 1000),
+    "default pair, measured 2026-12-07 on the EPYC": (PAIR_EPYC, lambda k: PAIR_EPYC_MS[k] / 1000),
     "requests that differ: every other one copies": (([0.5] + [0.6] * 5, COPYING), pair),
 }
 SEEDS = 30

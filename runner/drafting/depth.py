@@ -29,7 +29,9 @@ as the evidence carries it, without waiting for a probe:
 - a position no round has reached yet is expected to be kept as often as the
   one before it, not at an even chance;
 - the time of an untimed depth is extrapolated along the line through the
-  timed ones (least squares), and never below the deepest timed depth's.
+  timed ones (least squares), and never below the deepest timed depth's;
+- a drafted depth is expected to take at least as long as every shallower
+  drafted one (it does their work and more: a median that says less is old).
 (Expecting an unreached position kept at an even chance, and trying only timed
 depths, kept a request that copies its input shallow at high acceptance where
 deeper rounds pay; docs/design.md, "Adaptive depth", has the figures.) Now and
@@ -43,7 +45,13 @@ where it was, up to ``max_probe_every``, and falls back to ``probe_every`` as
 soon as the best depth changes (by a probe, or because its acceptance moved).
 From plain decoding (k = 0) it does not back off: a probe at k = 1 costs
 little (one forward pass of two tokens, about the price of one), and the
-output may start copying at any moment.
+output may start copying at any moment. A neighbour that could not win is not
+probed (``plausible``): a shallower one whose expected rate is more than
+``PROBE_SLACK`` behind the best depth's (only its time can be out of date), a
+deeper one that would be that far behind even with its new positions all kept;
+a time older than ``STALE_FOR_PROBES`` longest intervals rules nothing out. On
+the EPYC (2026-12-07), where k = 1 was 1.4x plain decoding, every other probe
+went to plain decoding and cost three rounds that restart the pipeline.
 Dropping to a shallower depth needs no probe: the best depth's own rounds
 keep the acceptance of its positions current.
 
@@ -93,6 +101,11 @@ MAX_PROBE_EVERY = 80
 SPIKE = 1.5  # a round counts for at most this times its depth's time
 SAMPLES = 9  # round times kept per depth; the median of them is its time
 MARGIN = 0.02  # depths expected within this of the fastest count as as fast (the deepest of them is taken)
+# A neighbour is probed only if it could plausibly be the best: a shallower one expected within this of the best
+# depth's rate (only its time can be out of date: the best depth's rounds keep its positions current), a deeper one
+# within this with its new positions all kept. Skipped probes back off as lost ones do.
+PROBE_SLACK = 0.15
+STALE_FOR_PROBES = 4  # longest probe intervals after which a neighbour's time no longer rules a probe of it out
 
 
 def _logit(p: float) -> float:
@@ -176,7 +189,15 @@ class DepthController:
     def predicted_seconds(self, depth: int) -> float | None:
         """A round's seconds at ``depth``: the median of its recent rounds once timed; else the least-squares line
         through the timed depths there (slope at least 0), and at least the deepest timed depth's. None before two
-        depths are timed."""
+        depths are timed. A drafted depth takes at least as long as every shallower drafted depth: it does all
+        their work and more, and where its median says less, its rounds are old or were lucky (the pair's head on
+        the EPYC, 2026-12-07: k = 4 at 12.8 ms against k = 3 at 17.1, which sent requests to k = 4)."""
+        seconds = self._timed_or_line(depth)
+        if seconds is None or depth == 0:
+            return seconds
+        return max([seconds, *(t for k, t in self.seconds.items() if 0 < k < depth)])
+
+    def _timed_or_line(self, depth: int) -> float | None:
         if depth in self.seconds:
             return self.seconds[depth]
         if len(self.seconds) < 2:
@@ -264,12 +285,30 @@ class DepthController:
             self._since_probe = 0
             self._probe_up = not self._probe_up
             up, down = min(best + 1, self.max_depth), max(best - 1, 0)
+            turn = (up, down) if self._probe_up else (down, up)
+            probe = next((k for k in turn if k != best and self.plausible(k, best)), None)
+            if probe is None:  # no neighbour could win: as a probe that lost
+                self.interval = min(2 * self.interval, self.max_probe_every)
+                return best
             self._probed_from = best
-            probe = up if (self._probe_up and up != best) or down == best else down
             if (probe == 0) != (best == 0):  # between plain and drafting: its first round is not timed
                 self._again = probe
             return probe
         return best
+
+    def plausible(self, probe: int, best: int) -> bool:
+        """Whether ``probe``, a neighbour of ``best``, could be the best depth: within ``PROBE_SLACK`` of its rate, a
+        deeper neighbour with its new positions all kept. A probe that cannot win costs and teaches nothing the best
+        depth's own rounds do not: on the EPYC (2026-12-07) a probe of plain decoding from k = 1 cost three rounds
+        that restart the pipeline, where k = 1 was 1.4x plain (docs/design.md, "Adaptive depth")."""
+        acceptance = self.acceptance
+        if self.predicted_seconds(probe) is None or self.predicted_seconds(best) is None:
+            return True
+        if self.clock - self.timed_at.get(probe, self.clock) > STALE_FOR_PROBES * self.max_probe_every:
+            return True  # its time is too old to rule it out (the machine, or what else it runs, may have changed)
+        if probe > best:
+            acceptance = acceptance[:best] + [1.0] * (probe - best)
+        return (1 + PROBE_SLACK) * self.rate(probe, acceptance) >= self.rate(best, self.acceptance)
 
     def record(self, drafted: int, accepted: int, seconds: float | None) -> None:
         """A round drafted ``drafted`` tokens (its depth), kept ``accepted`` and took ``seconds`` (None: not
