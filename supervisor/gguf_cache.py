@@ -14,12 +14,15 @@ importer refusal (an architecture, quantization type or vocabulary it does not
 handle) comes back as a ``GGUFCacheError`` carrying the importer's one line.
 
 Each import records the file it came from (``source.json``: its resolved path,
-size and modification time). An import whose file has since changed or gone no
-start can reach again (the key names what the file was), so each new import
-removes those, as Ollama prunes its unreferenced blobs: a GGUF file downloaded
-again, or one from a folder since deleted, left its whole import behind for
-good. Imports a caller still uses (``keep``) and imports made before records
-were kept are left alone.
+size and modification time, and the device its filesystem was on). An import
+whose file has since changed or gone no start can reach again (the key names
+what the file was), so each new import removes those, as Ollama prunes its
+unreferenced blobs: a GGUF file downloaded again, or one from a folder since
+deleted, left its whole import behind for good. A file whose filesystem is not
+there now (its nearest existing folder is on another device: a drive
+unplugged, a share not mounted) is not gone: it may come back as it was, and a
+large model's import costs minutes, so its import stays. Imports a caller still
+uses (``keep``) and imports made before records were kept are left alone.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def imported_folder(source: Path, cache_dir: Path, keep=()) -> Path:
         lines = done.stderr.strip().splitlines() or [f"the importer exited with status {done.returncode}"]
         raise GGUFCacheError(lines[-1].removeprefix("runner.gguf: "))
     stat = source.stat()
-    record = {"path": str(source.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    record = {"path": str(source.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "device": stat.st_dev}
     (partial / SOURCE).write_text(json.dumps(record))
     try:
         partial.rename(folder)
@@ -114,10 +117,28 @@ def unreachable_imports(cache_dir: Path, keep=()) -> list[tuple[Path, str]]:
         try:
             stat = path.stat()
         except FileNotFoundError:
-            found.append((child, f"{path} is gone"))
+            if not _unmounted(path, record.get("device")):
+                found.append((child, f"{path} is gone"))
             continue
         except OSError:
             continue
         if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
             found.append((child, f"{path} has changed since it was imported"))
     return found
+
+
+def _unmounted(path: Path, device) -> bool:
+    """Whether a missing ``path`` was on a filesystem that is not there now (a drive unplugged, a share not
+    mounted): its nearest existing folder is on another device than the file was (``device``, its st_dev when it
+    was imported). Then the file may come back as it was, and its import is kept. Records from before devices
+    were kept say nothing (False)."""
+    if not isinstance(device, int):
+        return False
+    for folder in path.parents:
+        try:
+            return folder.stat().st_dev != device
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return True  # cannot tell: keep the import
+    return False

@@ -181,7 +181,8 @@ def test_a_gguf_target_is_imported_once_and_reused(tmp_path):
 def test_an_import_no_start_can_reach_again_is_removed_at_the_next_import(tmp_path):
     """A GGUF file downloaded again (changed in place) is imported again under a new key: the old import, and one
     whose file is gone, would stay on disk for good (~100 MB each here, tens of GB for a large model); the next
-    import removes them. An import from before the records, and one still reachable, stay."""
+    import removes them. An import from before the records, one still reachable, and one whose file's drive is
+    not mounted now, stay."""
     import json
     import os
     import shutil
@@ -192,9 +193,16 @@ def test_an_import_no_start_can_reach_again_is_removed_at_the_next_import(tmp_pa
     shutil.copyfile(SMOLLM2_GGUF, gguf)
     first = imported_folder(gguf, cache)
     assert json.loads((first / SOURCE).read_text())["path"] == str(gguf.resolve())
-    gone = cache / "gone-0123456789ab"  # an import whose file was deleted since
+    here = tmp_path.stat().st_dev
+    gone = cache / "gone-0123456789ab"  # an import whose file was deleted since (with its folder)
     shutil.copytree(first, gone)
-    (gone / SOURCE).write_text(json.dumps({"path": str(tmp_path / "deleted.gguf"), "size": 1, "mtime_ns": 1}))
+    deleted = {"path": str(tmp_path / "models" / "deleted.gguf"), "size": 1, "mtime_ns": 1, "device": here}
+    (gone / SOURCE).write_text(json.dumps(deleted))
+    # A stand-in for a drive that is not mounted now (one cannot be unmounted here): the file's nearest existing
+    # folder is on another device than the file was. The file may come back; its import stays.
+    unplugged = cache / "unplugged-0123456789ab"
+    shutil.copytree(first, unplugged)
+    (unplugged / SOURCE).write_text(json.dumps({**deleted, "device": here + 1}))
     unrecorded = cache / "older-0123456789ab"  # made before imports were recorded: left alone
     unrecorded.mkdir()
     (unrecorded / "config.json").write_text("{}")
@@ -204,7 +212,7 @@ def test_an_import_no_start_can_reach_again_is_removed_at_the_next_import(tmp_pa
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # downloaded again
     second = imported_folder(gguf, cache)
     assert second != first and (second / "config.json").is_file()
-    assert sorted(p.name for p in cache.iterdir()) == sorted([second.name, unrecorded.name])
+    assert sorted(p.name for p in cache.iterdir()) == sorted([second.name, unrecorded.name, unplugged.name])
 
 
 def test_a_gguf_the_importer_refuses_is_a_config_error_naming_the_key(tmp_path):
