@@ -9,7 +9,9 @@ start after; a file changed in place gets a new folder.
 
 The importer writes into a temporary folder beside the final one, which is renamed
 into place only when the import has finished: an import cut short (killed, disk
-full) is never taken for a finished one, and the next start imports again. An
+full) is never taken for a finished one, and the next start imports again. The
+next finished import removes what one cut short left behind, once nothing has
+written to it for an hour (``abandoned_imports``). An
 importer refusal (an architecture, quantization type or vocabulary it does not
 handle) comes back as a ``GGUFCacheError`` carrying the importer's one line.
 
@@ -31,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -73,9 +76,9 @@ def imported_folder(source: Path, cache_dir: Path, keep=()) -> Path:
         cache_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise GGUFCacheError(f"cannot create {cache_dir}: {error.strerror}") from None
-    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    for leftover in (partial, folder):  # the folder without config.json is no finished import
-        shutil.rmtree(leftover, ignore_errors=True)
+    # Named for this process and at random: supervisors in other containers sharing the folder may have its pid.
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    shutil.rmtree(folder, ignore_errors=True)  # the folder without config.json is no finished import
     log.info("importing %s into %s (once: later starts reuse it)", source, folder)
     started = time.monotonic()
     done = subprocess.run(
@@ -95,7 +98,7 @@ def imported_folder(source: Path, cache_dir: Path, keep=()) -> Path:
         if not (folder / "config.json").is_file():
             raise
     log.info("imported %s in %.1f s", source.name, time.monotonic() - started)
-    for stale, why in unreachable_imports(cache_dir, keep={folder, *keep}):
+    for stale, why in unreachable_imports(cache_dir, keep={folder, *keep}) + abandoned_imports(cache_dir):
         log.info("removing %s: %s (no start can use it again)", stale, why)
         shutil.rmtree(stale, ignore_errors=True)
     return folder
@@ -124,6 +127,27 @@ def unreachable_imports(cache_dir: Path, keep=()) -> list[tuple[Path, str]]:
             continue
         if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
             found.append((child, f"{path} has changed since it was imported"))
+    return found
+
+
+ABANDONED_AFTER = 3600.0  # seconds without a write after which an unfinished import is taken for abandoned
+
+
+def abandoned_imports(cache_dir: Path, now: float | None = None) -> list[tuple[Path, str]]:
+    """(folder, why) for each unfinished import (``*.partial-*``) in ``cache_dir`` that nothing has written to for
+    ``ABANDONED_AFTER`` seconds: what a supervisor killed while importing left behind (a large model's worth of
+    disk, which its next start, under another pid, never looked at). An import under way writes all the time."""
+    now = time.time() if now is None else now
+    found = []
+    for child in sorted(cache_dir.iterdir()) if cache_dir.is_dir() else ():
+        if ".partial-" not in child.name:
+            continue
+        try:
+            written = max([child.stat().st_mtime, *(p.stat().st_mtime for p in child.rglob("*"))])
+        except OSError:  # being renamed or removed by its owner
+            continue
+        if now - written > ABANDONED_AFTER:
+            found.append((child, f"an import left unfinished {(now - written) / 3600:.1f} h ago"))
     return found
 
 

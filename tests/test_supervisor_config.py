@@ -1,5 +1,7 @@
 """Configuration: TOML in, one clear message naming the key for every mistake."""
 
+import time
+
 import pytest
 
 from common.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -181,8 +183,8 @@ def test_a_gguf_target_is_imported_once_and_reused(tmp_path):
 def test_an_import_no_start_can_reach_again_is_removed_at_the_next_import(tmp_path):
     """A GGUF file downloaded again (changed in place) is imported again under a new key: the old import, and one
     whose file is gone, would stay on disk for good (~100 MB each here, tens of GB for a large model); the next
-    import removes them. An import from before the records, one still reachable, and one whose file's drive is
-    not mounted now, stay."""
+    import removes them, and what an import killed part-way left an hour ago or more. An import from before the
+    records, one still reachable, one whose file's drive is not mounted now, and one under way, stay."""
     import json
     import os
     import shutil
@@ -203,6 +205,14 @@ def test_an_import_no_start_can_reach_again_is_removed_at_the_next_import(tmp_pa
     unplugged = cache / "unplugged-0123456789ab"
     shutil.copytree(first, unplugged)
     (unplugged / SOURCE).write_text(json.dumps({**deleted, "device": here + 1}))
+    # What imports killed part-way left: one two hours ago (removed), one now (an import under way: kept).
+    killed, running = cache / "big-0123456789ab.partial-7-00c0ffee", cache / "big-0123456789ab.partial-8-00c0ffee"
+    for partial in (killed, running):
+        (partial / "shards").mkdir(parents=True)
+        (partial / "shards" / "model-00001.safetensors").write_bytes(b"\0" * 1024)
+    two_hours_ago = time.time() - 7200
+    for path in (killed, killed / "shards", killed / "shards" / "model-00001.safetensors"):
+        os.utime(path, (two_hours_ago, two_hours_ago))
     unrecorded = cache / "older-0123456789ab"  # made before imports were recorded: left alone
     unrecorded.mkdir()
     (unrecorded / "config.json").write_text("{}")
@@ -212,7 +222,9 @@ def test_an_import_no_start_can_reach_again_is_removed_at_the_next_import(tmp_pa
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # downloaded again
     second = imported_folder(gguf, cache)
     assert second != first and (second / "config.json").is_file()
-    assert sorted(p.name for p in cache.iterdir()) == sorted([second.name, unrecorded.name, unplugged.name])
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [second.name, unrecorded.name, unplugged.name, running.name]
+    )
 
 
 def test_a_gguf_the_importer_refuses_is_a_config_error_naming_the_key(tmp_path):
