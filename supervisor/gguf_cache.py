@@ -11,7 +11,7 @@ The importer writes into a temporary folder beside the final one, which is renam
 into place only when the import has finished: an import cut short (killed, disk
 full) is never taken for a finished one, and the next start imports again. The
 next finished import removes what one cut short left behind, once nothing has
-written to it for an hour (``abandoned_imports``). An
+written to it for a day (``abandoned_imports``). An
 importer refusal (an architecture, quantization type or vocabulary it does not
 handle) comes back as a ``GGUFCacheError`` carrying the importer's one line.
 
@@ -130,13 +130,14 @@ def unreachable_imports(cache_dir: Path, keep=()) -> list[tuple[Path, str]]:
     return found
 
 
-ABANDONED_AFTER = 3600.0  # seconds without a write after which an unfinished import is taken for abandoned
+ABANDONED_AFTER = 86400.0  # seconds without a write after which an unfinished import is taken for abandoned
 
 
 def abandoned_imports(cache_dir: Path, now: float | None = None) -> list[tuple[Path, str]]:
     """(folder, why) for each unfinished import (``*.partial-*``) in ``cache_dir`` that nothing has written to for
     ``ABANDONED_AFTER`` seconds: what a supervisor killed while importing left behind (a large model's worth of
-    disk, which its next start, under another pid, never looked at). An import under way writes all the time."""
+    disk, which its next start, under another pid, never looked at). An import under way writes as it goes; a day
+    leaves room for one that converts for hours before it writes."""
     now = time.time() if now is None else now
     found = []
     for child in sorted(cache_dir.iterdir()) if cache_dir.is_dir() else ():
@@ -147,7 +148,7 @@ def abandoned_imports(cache_dir: Path, now: float | None = None) -> list[tuple[P
         except OSError:  # being renamed or removed by its owner
             continue
         if now - written > ABANDONED_AFTER:
-            found.append((child, f"an import left unfinished {(now - written) / 3600:.1f} h ago"))
+            found.append((child, f"an import left unfinished {(now - written) / 3600:.0f} h ago"))
     return found
 
 

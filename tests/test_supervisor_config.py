@@ -183,7 +183,7 @@ def test_a_gguf_target_is_imported_once_and_reused(tmp_path):
 def test_an_import_no_start_can_reach_again_is_removed_at_the_next_import(tmp_path):
     """A GGUF file downloaded again (changed in place) is imported again under a new key: the old import, and one
     whose file is gone, would stay on disk for good (~100 MB each here, tens of GB for a large model); the next
-    import removes them, and what an import killed part-way left an hour ago or more. An import from before the
+    import removes them, and what an import killed part-way left a day ago or more. An import from before the
     records, one still reachable, one whose file's drive is not mounted now, and one under way, stay."""
     import json
     import os
@@ -205,14 +205,14 @@ def test_an_import_no_start_can_reach_again_is_removed_at_the_next_import(tmp_pa
     unplugged = cache / "unplugged-0123456789ab"
     shutil.copytree(first, unplugged)
     (unplugged / SOURCE).write_text(json.dumps({**deleted, "device": here + 1}))
-    # What imports killed part-way left: one two hours ago (removed), one now (an import under way: kept).
+    # What imports killed part-way left: one two days ago (removed), one now (an import under way: kept).
     killed, running = cache / "big-0123456789ab.partial-7-00c0ffee", cache / "big-0123456789ab.partial-8-00c0ffee"
     for partial in (killed, running):
         (partial / "shards").mkdir(parents=True)
         (partial / "shards" / "model-00001.safetensors").write_bytes(b"\0" * 1024)
-    two_hours_ago = time.time() - 7200
+    two_days_ago = time.time() - 2 * 86400
     for path in (killed, killed / "shards", killed / "shards" / "model-00001.safetensors"):
-        os.utime(path, (two_hours_ago, two_hours_ago))
+        os.utime(path, (two_days_ago, two_days_ago))
     unrecorded = cache / "older-0123456789ab"  # made before imports were recorded: left alone
     unrecorded.mkdir()
     (unrecorded / "config.json").write_text("{}")

@@ -301,14 +301,13 @@ class DepthController:
         deeper neighbour with its new positions all kept. A probe that cannot win costs and teaches nothing the best
         depth's own rounds do not: on the EPYC (2026-12-07) a probe of plain decoding from k = 1 cost three rounds
         that restart the pipeline, where k = 1 was 1.4x plain (docs/design.md, "Adaptive depth")."""
-        acceptance = self.acceptance
         if self.predicted_seconds(probe) is None or self.predicted_seconds(best) is None:
             return True
         if self.clock - self.timed_at.get(probe, self.clock) > STALE_FOR_PROBES * self.max_probe_every:
             return True  # its time is too old to rule it out (the machine, or what else it runs, may have changed)
-        if probe > best:
-            acceptance = acceptance[:best] + [1.0] * (probe - best)
-        return (1 + PROBE_SLACK) * self.rate(probe, acceptance) >= self.rate(best, self.acceptance)
+        acceptance = self.acceptance
+        hoped = acceptance[:best] + [1.0] * (probe - best) if probe > best else acceptance
+        return (1 + PROBE_SLACK) * self.rate(probe, hoped) >= self.rate(best, acceptance)
 
     def record(self, drafted: int, accepted: int, seconds: float | None) -> None:
         """A round drafted ``drafted`` tokens (its depth), kept ``accepted`` and took ``seconds`` (None: not
