@@ -45,7 +45,9 @@ where it was, up to ``max_probe_every``, and falls back to ``probe_every`` as
 soon as the best depth changes (by a probe, or because its acceptance moved).
 From plain decoding (k = 0) it does not back off: a probe at k = 1 costs
 little (one forward pass of two tokens, about the price of one), and the
-output may start copying at any moment. A neighbour that could not win is not
+output may start copying at any moment (and a deeper round than k = 1 may pay
+where k = 1 cannot: a small model's verification of three tokens costs what
+two do). From a drafting depth, a neighbour that could not win is not
 probed (``plausible``): a shallower one whose expected rate is more than
 ``PROBE_SLACK`` behind the best depth's (only its time can be out of date), a
 deeper one that would be that far behind even with its new positions all kept;
@@ -301,8 +303,8 @@ class DepthController:
         deeper neighbour with its new positions all kept. A probe that cannot win costs and teaches nothing the best
         depth's own rounds do not: on the EPYC (2026-12-07) a probe of plain decoding from k = 1 cost three rounds
         that restart the pipeline, where k = 1 was 1.4x plain (docs/design.md, "Adaptive depth")."""
-        if self.predicted_seconds(probe) is None or self.predicted_seconds(best) is None:
-            return True
+        if best == 0 or self.predicted_seconds(probe) is None or self.predicted_seconds(best) is None:
+            return True  # from plain decoding a probe always runs (see the module's docstring)
         if self.clock - self.timed_at.get(probe, self.clock) > STALE_FOR_PROBES * self.max_probe_every:
             return True  # its time is too old to rule it out (the machine, or what else it runs, may have changed)
         acceptance = self.acceptance
