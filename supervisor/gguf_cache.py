@@ -133,13 +133,12 @@ def unreachable_imports(cache_dir: Path, keep=()) -> list[tuple[Path, str]]:
 ABANDONED_AFTER = 86400.0  # seconds without a write after which an unfinished import is taken for abandoned
 
 
-def abandoned_imports(cache_dir: Path, now: float | None = None) -> list[tuple[Path, str]]:
+def abandoned_imports(cache_dir: Path) -> list[tuple[Path, str]]:
     """(folder, why) for each unfinished import (``*.partial-*``) in ``cache_dir`` that nothing has written to for
     ``ABANDONED_AFTER`` seconds: what a supervisor killed while importing left behind (a large model's worth of
     disk, which its next start, under another pid, never looked at). An import under way writes as it goes; a day
     leaves room for one that converts for hours before it writes."""
-    now = time.time() if now is None else now
-    found = []
+    now, found = time.time(), []
     for child in sorted(cache_dir.iterdir()) if cache_dir.is_dir() else ():
         if ".partial-" not in child.name:
             continue
