@@ -96,7 +96,7 @@ models/heads/gemma3-270m/config.json: models/train_drafter.py models/drafter_dat
 
 drafter-heads-long: install real-model
 	$(HEAD_TRAIN) --target models/default/target --out models/heads/default --prompts 512 --tokens 96 --epochs 8 --lr 2e-3
-	$(HEAD_TRAIN) --target models/smollm2 --out models/heads/smollm2 --prompts 512 --tokens 96 --epochs 6 --held-out 24
+	$(HEAD_TRAIN) --target models/smollm2 --out models/heads/smollm2 --prompts 768 --tokens 128 --epochs 5 --held-out 24
 
 # The clients the tests run that are not Python packages: Claude Code from npm, into .clients (outside git).
 CLAUDE_CODE := @anthropic-ai/claude-code@2.1.197

@@ -34,7 +34,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from common.heads import KEY, config_hash
-from models.drafter_data import greedy_sequences, load_target, prompts
+from models.drafter_data import PROMPTS_VERSION, greedy_sequences, load_target, prompts
 from runner.drafting.head import build_head, save_head, trainable_keys
 from runner.drafting.mtp import _text_model, lm_head
 
@@ -159,7 +159,7 @@ def main(argv=None) -> None:
     config = json.loads((args.target / "config.json").read_text())
     vocab = int(text.args.vocab_size)
     data_started = time.perf_counter()
-    key = (str(args.target), config_hash(config), args.prompts, args.tokens, args.seed)
+    key = (str(args.target), config_hash(config), PROMPTS_VERSION, args.prompts, args.tokens, args.seed)
     sequences = _cached(args.data_cache, key)
     if sequences is None:
         ids = prompts(tokenizer, args.prompts, seed=args.seed)
@@ -260,7 +260,7 @@ def main(argv=None) -> None:
 
 
 def _cached(path: Path | None, key: tuple):
-    """The sequences kept in ``path`` for the same target, prompts, tokens and seed, or None."""
+    """The sequences kept in ``path`` for the same target, kinds of prompt, prompts, tokens and seed, or None."""
     if path is None or not path.is_file():
         return None
     kept, sequences = pickle.loads(path.read_bytes())

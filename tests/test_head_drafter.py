@@ -257,3 +257,25 @@ def test_a_queued_sampled_draft_carries_the_distribution_a_proposal_would_have(p
     again = queued.propose(after, 1, params, mx.random.key(4))
     assert mx.allclose(again.probs[0], fresh.probs[0], atol=1e-4).item()
     assert again.probs[0][again.tokens[0]].item() > 0  # drawn from that distribution
+
+
+def test_a_chat_models_training_prompts_ask_for_code_and_copying_and_leave_the_benchmarks_out():
+    """An instruct model answers much of what it is asked with code and with the text it was given; a head taught only
+    questions and help text kept 0.38 of its drafts on such answers (docs/design.md, Drafters)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from bench.speculation import DOCUMENT, GROUNDED_CHAT, PROSE
+    from models.drafter_data import prompts
+
+    if not (SMOLLM2_DIR / "config.json").is_file():
+        pytest.skip("make real-model")
+    tokenizer = load_tokenizer(SMOLLM2_DIR)
+    ids = prompts(tokenizer, 200, seed=3)
+    assert ids == prompts(tokenizer, 200, seed=3)
+    texts = [tokenizer.decode(i) for i in ids]
+    with_code = [t for t in texts if "\ndef " in t or t.count("\n    ") >= 2]
+    asking_for_code = [t for t in texts if "Python" in t and "\ndef " not in t]
+    with_a_list = [t for t in texts if "\n- " in t]
+    assert len(with_code) >= 20 and len(asking_for_code) >= 10 and len(with_a_list) >= 5
+    for bench in (*PROSE, DOCUMENT, *GROUNDED_CHAT):
+        assert not any(bench[:40] in t for t in texts)
