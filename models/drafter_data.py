@@ -233,13 +233,13 @@ def _chat_text(rng: random.Random, sentences: list[str], functions: list[tuple[s
         return rng.choice(CONCEPT_REQUESTS).format(rng.choice(CONCEPTS))
     if kind < 0.85 and functions:
         code, names = rng.choice(functions)
-        request = rng.choice(CODE_REQUESTS if names else CODE_REQUESTS[:2] + CODE_REQUESTS[3:])
+        request = rng.choice(CODE_REQUESTS if names else [r for r in CODE_REQUESTS if "{name}" not in r])
         name = rng.choice(names) if names else ""
         return request.format(code=code, name=name, new=f"{name}_{rng.choice(('value', 'arg', 'in', 'x'))}")
     if rng.random() < 0.6:
         start = rng.randrange(len(sentences) - 4)
         text = " ".join(sentences[start : start + rng.randint(2, 4)])
-        words = [w.strip(".,;:()") for w in text.split() if len(w.strip(".,;:()")) >= 5]
+        words = [w for w in (w.strip(".,;:()") for w in text.split()) if len(w) >= 5]
         return rng.choice(PASSAGE_REQUESTS).format(text=text, word=rng.choice(words) if words else "the")
     items = rng.sample(SUBJECTS, rng.randint(3, 6))
     old = rng.choice(items).split()[-1]

@@ -261,7 +261,7 @@ def test_a_queued_sampled_draft_carries_the_distribution_a_proposal_would_have(p
 
 def test_a_chat_models_training_prompts_ask_for_code_and_copying_and_leave_the_benchmarks_out():
     """An instruct model answers much of what it is asked with code and with the text it was given; a head taught only
-    questions and help text kept 0.38 of its drafts on such answers (docs/design.md, Drafters)."""
+    questions and help text agreed with SmolLM2 on 0.38 of such answers' positions (docs/benchmarks.md, head)."""
     from mlx_lm.utils import load_tokenizer
 
     from bench.speculation import DOCUMENT, GROUNDED_CHAT, PROSE
